@@ -79,6 +79,7 @@ class RpcClient:
         self.settings = settings
         self.trainer_id = trainer_id
         self.incarnation = 0
+        self.lost = False  # it went silent once: talking to it again would only wait again
         self._socket = context.socket(zmq.DEALER)
         _common_options(self._socket, settings)
         # A fixed routing id lets the server route replies across reconnects.
@@ -122,13 +123,22 @@ class RpcClient:
         limit = self.settings.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         self.begin_wait()
-        while (reply := self.poll(rid, self.settings.heartbeat_interval)) is None:
-            if time.monotonic() > deadline:
-                kind = Kind.Name(self._sent[rid][2]) if rid in self._sent else "?"
-                raise TransportError(
-                    f"{self.peer} ({self.endpoint}) did not answer {kind} within {limit:.0f} s"
-                )
+        try:
+            while (reply := self.poll(rid, self.settings.heartbeat_interval)) is None:
+                if time.monotonic() > deadline:
+                    kind = Kind.Name(self._sent[rid][2]) if rid in self._sent else "?"
+                    raise TransportError(
+                        f"{self.peer} ({self.endpoint}) did not answer {kind} within {limit:g} s"
+                    )
+        except TransportError:
+            self.forget(rid)
+            raise
         return reply
+
+    def forget(self, rid: int) -> None:
+        """Give up on request `rid`: it is not resent any more, a late reply is dropped."""
+        self._sent.pop(rid, None)
+        self._replies.pop(rid, None)
 
     def begin_wait(self) -> None:
         """Start counting the server's silence now: between waits nobody pings it."""
@@ -141,6 +151,7 @@ class RpcClient:
         if rid not in self._replies:
             now = time.monotonic()
             if now - self._last_heard > self.settings.peer_timeout:
+                self.lost = True
                 raise PeerLostError(
                     f"{self.peer} ({self.endpoint}) has not answered for {now - self._last_heard:.1f} s: "
                     "it is down or unreachable"
@@ -218,17 +229,22 @@ def wait_all(pending: dict[Any, tuple[RpcClient, int]], timeout: float | None = 
     for client, _ in pending.values():
         poller.register(client._socket, zmq.POLLIN)
     replies: dict[Any, Message] = {}
-    while True:
-        for key, (client, rid) in pending.items():
-            # poll(rid, 0) drains what arrived, pings when due and checks liveness.
-            if key not in replies and (reply := client.poll(rid, 0)) is not None:
-                replies[key] = reply
-        if len(replies) == len(pending):
-            break
-        if time.monotonic() > deadline:
-            silent = [c.peer for k, (c, _) in pending.items() if k not in replies]
-            raise TransportError(f"{', '.join(silent)} did not answer within {limit:.0f} s")
-        poller.poll(int(settings.heartbeat_interval * 1000))
+    try:
+        while True:
+            for key, (client, rid) in pending.items():
+                # poll(rid, 0) drains what arrived, pings when due and checks liveness.
+                if key not in replies and (reply := client.poll(rid, 0)) is not None:
+                    replies[key] = reply
+            if len(replies) == len(pending):
+                break
+            if time.monotonic() > deadline:
+                silent = [c.peer for k, (c, _) in pending.items() if k not in replies]
+                raise TransportError(f"{', '.join(silent)} did not answer within {limit:g} s")
+            poller.poll(int(settings.heartbeat_interval * 1000))
+    except TransportError:
+        for client, rid in pending.values():  # the caller gives up on all of them
+            client.forget(rid)
+        raise
     return replies
 
 

@@ -120,7 +120,9 @@ class Runtime:
         return wait_all({ep: (clients[ep], clients[ep].request(msg)) for ep, msg in requests.items()})
 
     def send(self, items: Sequence[tuple[str, str, Any]], trainer_id: int) -> None:
-        """Push (endpoint, name, value) gradients, one message per pserver."""
+        """Push (endpoint, name, value) gradients, one message per pserver, and wait
+        for the acknowledgements. (Sending without waiting, settled at the next
+        barrier, measured several times slower per step on loopback.)"""
         requests: dict[str, Message] = {}
         for endpoint, name, value in items:
             msg = requests.setdefault(endpoint, Message(Kind.SEND, trainer_id=trainer_id, step=self.step))
@@ -159,13 +161,19 @@ class Runtime:
         """Tell every pserver this trainer is done, close the sockets. Returns the
         problems met (a pserver already gone), which must not hide the caller's own."""
         problems = []
+        asked = {}
         for endpoint, client in self._clients.items():
+            if client.lost:  # known dead: do not wait for it a second time
+                problems.append(f"{endpoint}: not told this trainer is done; it stopped answering earlier")
+            else:
+                asked[endpoint] = client.request(Message(Kind.COMPLETE))
+        for endpoint, rid in asked.items():
             try:
-                client.call(Message(Kind.COMPLETE), timeout=self.settings.peer_timeout)
+                self._clients[endpoint].wait(rid, timeout=self.settings.peer_timeout)
             except TransportError as e:
                 problems.append(f"{endpoint}: {e}")
-            finally:
-                client.close()
+        for client in self._clients.values():
+            client.close()
         self._clients.clear()
         if self._context is not None:
             self._context.term()

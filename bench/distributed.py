@@ -1,0 +1,424 @@
+"""Parameter-server training throughput and transport bandwidth, one JSON row each.
+
+    python -m bench.distributed [--quick] [--scale 1.0] [--models digits_mlp,ctr_embedding]
+                                [--topologies 1x1,2x1,2x2] [--modes sync,async] [--ctr-vocab N]
+
+About a minute and a half on two cores; --quick (1x1 and 2x2 jobs, a few steps, a
+100,000-row table) is a smoke run. The models come from examples/ (scikit-learn
+for the digits).
+
+Training (samples/s, medians of `repeats` timed windows after a warm-up that
+includes the deploy and the numba compiles):
+- digits_mlp:    examples/digits_mlp.py's model (64-256-256-10, Adam) on the
+                 digits, global batch 128
+- ctr_embedding: examples/ctr_embedding.py's model (26 sparse fields over a
+                 1,000,000 x 8 embedding, is_sparse, lazy Adam, 13 dense
+                 features) on its synthetic clicks, global batch 512
+each as a RemoteExecutor job of 1x1, 2x1 and 2x2 trainers x pservers in sync
+and async mode (every `fluidps serve` process on 127.0.0.1; the global batch
+is split across the trainers), next to fluidps.Executor on the same programs
+and batches ("local" rows) and, when PyTorch is importable, bench.local's
+PyTorch models (torch rows: the digits one trains with SGD, not Adam).
+
+Bandwidth (MiB/s of a 16 MiB float32 parameter, 4M elements, median of `repeats`):
+- fluidps pull: exe.scope[name] (a GET to the one pserver of a 1x1 job)
+- fluidps push: exe.scope[name] = value (a SET to the pserver, and to the trainer,
+  which holds a copy of every parameter: 2 x 16 MiB leave the client)
+- pyzmq push / pull: the same 16 MiB as one raw frame between this process
+  (DEALER) and a subprocess (ROUTER), copy=False both ways, acknowledged by a
+  small reply: the transport's ceiling on this machine, measured in this run.
+
+Every process runs one BLAS / numba thread; rows say how many processes
+shared the machine's cores. A job row also gives its setup time (servers
+started, startup run, job deployed) and the time of exe.pserver_stats() at the
+end (sync jobs check that every pserver ran one optimization per step; a
+failing call is reported in `stats_error`, the timing stands).
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+import fluidps  # noqa: E402
+from bench.local import load_torch, timed, torch_classifier, torch_ctr  # noqa: E402
+from fluidps import layers, optimizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import ctr_embedding  # noqa: E402
+import digits_mlp  # noqa: E402
+
+CORES = os.cpu_count() or 1
+MIB = 1 << 20
+TOPOLOGIES = ((1, 1), (2, 1), (2, 2))  # trainers x pservers
+MODES = ("sync", "async")
+
+
+@dataclass
+class Workload:
+    name: str
+    build: Callable[[], tuple[fluidps.Program, fluidps.Program, fluidps.Variable]]  # main, startup, loss
+    batches: list[dict[str, np.ndarray]]
+    steps: int  # per timed window
+    info: dict  # extra row fields
+
+
+def digits_workload(batch: int, steps: int) -> Workload:
+    x, _, y, _ = digits_mlp.load_data(0)
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(8):
+        idx = rng.choice(len(x), batch, replace=False)
+        batches.append({"image": x[idx], "label": y[idx]})
+
+    def build():
+        main, startup, _, loss, _ = digits_mlp.build()
+        return main, startup, loss
+
+    return Workload("digits_mlp", build, batches, steps, {"model": "64-256-256-10", "optimizer": "adam"})
+
+
+def ctr_workload(batch: int, steps: int, vocab: int) -> Workload:
+    if vocab != ctr_embedding.VOCAB:  # a smaller table than the example's (--ctr-vocab)
+        ctr_embedding.VOCAB, ctr_embedding.PER_FIELD = vocab, vocab // ctr_embedding.FIELDS
+    world = ctr_embedding.ClickWorld()
+    batches = [world.sample(batch, seed=100 + i) for i in range(8)]
+
+    def build():
+        main, startup, _, loss, _ = ctr_embedding.build()
+        return main, startup, loss
+
+    info = {"table": f"{ctr_embedding.VOCAB}x8", "fields": ctr_embedding.FIELDS, "optimizer": "lazy adam"}
+    return Workload("ctr_embedding", build, batches, steps, info)
+
+
+def training_row(w: Workload, mode: str, trainers: int, pservers: int, rate: float, **extra) -> dict:
+    batch = len(next(iter(w.batches[0].values())))
+    processes = 1 + trainers + pservers if pservers else 1
+    return {
+        "bench": w.name,
+        "mode": mode,
+        "trainers": trainers,
+        "pservers": pservers,
+        "global_batch": batch,
+        "samples_per_s": round(rate, 1),
+        **extra,
+        **w.info,
+        "processes": processes,
+        "cores": CORES,
+        "processes_per_core": round(processes / CORES, 2),
+        "threads": 1,
+    }
+
+
+def run_local(w: Workload, repeats: int, warmup: int) -> tuple[float, float]:
+    """(samples/s, last loss) of fluidps.Executor on the workload."""
+    main, startup, loss = w.build()
+    exe = fluidps.Executor()
+    exe.run(startup)
+    last = []
+
+    def step(i: int) -> None:
+        last[:] = exe.run(main, feed=w.batches[i % len(w.batches)], fetch_list=[loss])
+
+    rate = timed(step, w.steps, repeats, warmup)
+    batch = len(next(iter(w.batches[0].values())))
+    return rate * batch, float(last[0])
+
+
+def run_job(
+    w: Workload, trainers: int, pservers: int, mode: str, repeats: int, warmup: int
+) -> tuple[float, dict]:
+    """(samples/s, row fields) of a RemoteExecutor job on the workload."""
+    main, startup, loss = w.build()
+    job = fluidps.JobDesc(pservers=pservers, trainers=trainers, mode=mode)
+    start = time.perf_counter()
+    last = []
+
+    def step(i: int) -> None:
+        last[:] = exe.run(main, feed=w.batches[i % len(w.batches)], fetch_list=[loss])
+
+    with fluidps.RemoteExecutor(job) as exe:
+        exe.run(startup)
+        step(0)  # deploys the job
+        setup_s = time.perf_counter() - start
+        rate = timed(step, w.steps, repeats, warmup)
+        steps_run = 1 + warmup + w.steps * repeats
+        stats_start = time.perf_counter()
+        try:
+            stats, stats_error = exe.pserver_stats(), None
+        except fluidps.Error as e:  # reported in the row; the timing above stands
+            stats, stats_error = None, str(e)
+        stats_ms = (time.perf_counter() - stats_start) * 1e3
+    batch = len(next(iter(w.batches[0].values())))
+    fields = {
+        "steps": w.steps * repeats,
+        "warmup_steps": 1 + warmup,
+        "loss": round(float(last[0]), 4),
+        "setup_s": round(setup_s, 2),  # servers started, startup run, job deployed
+        "stats_ms": round(stats_ms, 1),  # exe.pserver_stats() at the end
+    }
+    if stats_error is not None:
+        fields["stats_error"] = stats_error
+    elif mode == "sync":  # every pserver ran one optimization per step
+        done = {s["completed_steps"] for s in stats.values()}
+        if done != {steps_run}:
+            raise RuntimeError(
+                f"{w.name} {trainers}x{pservers} sync: pservers completed {done} of {steps_run}"
+            )
+    return rate * batch, fields
+
+
+def bench_training(w: Workload, torch, repeats: int, warmup: int, topologies, modes) -> None:
+    local, local_loss = run_local(w, repeats, warmup)
+    print(
+        json.dumps(
+            training_row(
+                w, "local", 1, 0, local, steps=w.steps * repeats, loss=round(local_loss, 4), impl="fluidps"
+            )
+        ),
+        flush=True,
+    )
+    if torch is not None:
+        batch = len(next(iter(w.batches[0].values())))
+        if w.name == "digits_mlp":
+            rate = batch * torch_classifier(torch, [64, 256, 256, 10], batch, w.steps, repeats)
+            info = {"optimizer": "sgd (bench.local's torch model; random data)"}
+        else:
+            rate = torch_ctr(torch, batch, w.steps, repeats)
+            info = {"optimizer": "SparseAdam + Adam (bench.local's torch model; random data)"}
+        row = training_row(w, "local", 1, 0, rate, steps=w.steps * repeats, impl="torch")
+        row.update(info, torch_vs_fluidps_local=round(rate / local, 3))
+        if w.name == "ctr_embedding":
+            row["table"] = "1000000x8"  # bench.local's size, whatever --ctr-vocab says
+        print(json.dumps(row), flush=True)
+    for trainers, pservers in topologies:
+        for mode in modes:
+            rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup)
+            row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
+            row["vs_local"] = round(rate / local, 3)
+            print(json.dumps(row), flush=True)
+
+
+# -- bandwidth ------------------------------------------------------------------------------
+
+# The raw pyzmq peer: a ROUTER that acknowledges a pushed frame with b"ok" and answers
+# b"pull" with the same-sized buffer, copy=False both ways. It prints its address.
+ZMQ_PEER = """
+import sys, zmq
+size = int(sys.argv[1])
+ctx = zmq.Context()
+s = ctx.socket(zmq.ROUTER)
+s.setsockopt(zmq.LINGER, 0)
+s.bind("tcp://127.0.0.1:0")
+print(s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+payload = bytearray(size)
+while True:
+    ident, kind, *rest = s.recv_multipart(copy=False)
+    kind = bytes(kind.buffer)
+    if kind == b"stop":
+        s.send_multipart([ident, b"ok"])
+        break
+    if kind == b"pull":
+        s.send_multipart([ident, payload], copy=False)
+    else:
+        s.send_multipart([ident, b"ok"])
+s.close()
+ctx.term()
+"""
+
+
+def median_seconds(run: Callable[[], None], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bandwidth_row(op: str, path: str, nbytes: int, seconds: float, repeats: int, **extra) -> dict:
+    return {
+        "bench": "bandwidth",
+        "op": op,
+        "path": path,
+        "bytes": nbytes,
+        "mib_per_s": round(nbytes / MIB / seconds, 1),
+        "ms": round(seconds * 1e3, 2),
+        "repeats": repeats,
+        **extra,
+        "cores": CORES,
+    }
+
+
+def zmq_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
+    """Median seconds of a push and of a pull of one `nbytes` frame to a ROUTER subprocess."""
+    peer = subprocess.Popen([sys.executable, "-c", ZMQ_PEER, str(nbytes)], stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        sock.connect(peer.stdout.readline().strip())
+        payload = np.ones(nbytes // 4, dtype=np.float32)
+
+        def push() -> None:
+            sock.send_multipart([b"push", payload], copy=False)
+            sock.recv_multipart(copy=False)
+
+        def pull() -> None:
+            sock.send(b"pull")
+            (frame,) = sock.recv_multipart(copy=False)
+            assert len(frame.buffer) == nbytes
+
+        out = {"push": median_seconds(push, repeats), "pull": median_seconds(pull, repeats)}
+        sock.send(b"stop")
+        sock.recv()
+    finally:
+        sock.close()
+        ctx.term()
+        try:
+            peer.wait(10)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
+        peer.stdout.close()
+    return out
+
+
+def fluidps_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
+    """Median seconds of exe.scope[name] (pull) and exe.scope[name] = v (push) for a
+    [1024, nbytes / 4096] float32 parameter held by the one pserver of a 1x1 job."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [1024])
+        out = layers.fc(x, nbytes // 4 // 1024, param_attr=fluidps.ParamAttr(name="bw.w"), bias_attr=False)
+        loss = layers.mean(out)
+        optimizer.SGD(0.01).minimize(loss)
+    job = fluidps.JobDesc(pservers=1, trainers=1, mode="sync")
+    with fluidps.RemoteExecutor(job) as exe:
+        exe.run(startup)
+        exe.run(main, feed={"x": np.ones((2, 1024), np.float32)}, fetch_list=[loss])  # deploys
+        value = np.asarray(exe.scope["bw.w"]).copy()
+        assert value.nbytes == nbytes
+
+        def pull() -> None:
+            exe.scope.invalidate()  # gathered values are cached until the next step or write
+            exe.scope["bw.w"]
+
+        def push() -> None:
+            exe.scope["bw.w"] = value
+
+        return {"pull": median_seconds(pull, repeats), "push": median_seconds(push, repeats)}
+
+
+def bench_bandwidth(nbytes: int, repeats: int) -> None:
+    raw = zmq_bandwidth(nbytes, repeats)
+    ours = fluidps_bandwidth(nbytes, repeats)
+    for op in ("pull", "push"):
+        sent = "pserver + trainer (2 copies sent)" if op == "push" else "pserver"
+        print(
+            json.dumps(
+                bandwidth_row(
+                    op,
+                    "fluidps exe.scope",
+                    nbytes,
+                    ours[op],
+                    repeats,
+                    to=sent,
+                    vs_pyzmq=round(raw[op] / ours[op], 3),
+                    processes=3,  # this client, the pserver and the trainer
+                )
+            ),
+            flush=True,
+        )
+        print(
+            json.dumps(
+                bandwidth_row(
+                    op, "pyzmq copy=False", nbytes, raw[op], repeats, to="ROUTER subprocess", processes=2
+                )
+            ),
+            flush=True,
+        )
+
+
+# -- driver ---------------------------------------------------------------------------------
+
+
+def parse_topologies(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        trainers, _, pservers = item.partition("x")
+        out.append((int(trainers), int(pservers)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1x1 and 2x2 jobs, a few steps, a 100,000-row table"
+    )
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the timed steps")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models", default="digits_mlp,ctr_embedding")
+    parser.add_argument(
+        "--topologies",
+        help=f"trainers x pservers (default {','.join(f'{t}x{p}' for t, p in TOPOLOGIES)}; --quick: 1x1,2x2)",
+    )
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--digits-batch", type=int, default=128)
+    parser.add_argument("--ctr-batch", type=int, default=512)
+    parser.add_argument("--ctr-vocab", type=int, default=ctr_embedding.VOCAB)
+    parser.add_argument("--bandwidth-mib", type=int, default=16)
+    parser.add_argument("--no-torch", action="store_true")
+    args = parser.parse_args(argv)
+    repeats, warmup, scale = args.repeats, 5, args.scale
+    if args.quick:
+        repeats, warmup, scale = 1, 2, 0.05
+        if args.ctr_vocab == ctr_embedding.VOCAB:
+            args.ctr_vocab = 100_000
+    torch = None if args.no_torch else load_torch()
+    if args.topologies is None:
+        args.topologies = "1x1,2x2" if args.quick else ",".join(f"{t}x{p}" for t, p in TOPOLOGIES)
+    topologies, modes = parse_topologies(args.topologies), args.modes.split(",")
+    print(
+        json.dumps(
+            {
+                "note": f"{CORES} cores; a job of T trainers and P pservers runs T + P server "
+                "processes plus this client, one BLAS / numba thread each"
+            }
+        ),
+        flush=True,
+    )
+    for name in args.models.split(","):
+        if name == "digits_mlp":
+            w = digits_workload(args.digits_batch, max(int(150 * scale), 3))
+        elif name == "ctr_embedding":
+            w = ctr_workload(args.ctr_batch, max(int(40 * scale), 3), args.ctr_vocab)
+        else:
+            raise SystemExit(f"unknown model {name!r}")
+        bench_training(w, torch, repeats, warmup, topologies, modes)
+    bench_bandwidth(args.bandwidth_mib * MIB, max(int(20 * scale), 5))
+
+
+if __name__ == "__main__":
+    main()
