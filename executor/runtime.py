@@ -84,6 +84,7 @@ class Runtime:
         self._context: zmq.Context | None = None
         self._clients: dict[str, RpcClient] = {}
         self._queues: dict[str, GradientQueue] = {}
+        self._unsettled: list[tuple[RpcClient, int]] = []  # requests sent without waiting
         self.servers: list[Any] = []  # pserver loops this process ran (their stats outlive them)
 
     @property
@@ -113,21 +114,36 @@ class Runtime:
     def begin_step(self) -> None:
         self.step += 1
 
-    # -- trainer side: each call talks to every pserver concurrently, then waits ---------
+    # -- trainer side ----------------------------------------------------------------------
+    # Each call sends one message per pserver, all at once. Gradients and the fetch
+    # barrier are not waited for where they are sent: their acknowledgements are
+    # settled with the next call that needs an answer (the send barrier, the recv,
+    # close), so that a step costs a round trip per exchange, not per message. A
+    # pserver handles one trainer's messages in order, so the GET that follows a
+    # SEND sees it; an error in a SEND surfaces at that next call.
 
-    def _all(self, requests: dict[str, Message], trainer_id: int) -> dict[str, Message]:
-        clients = {ep: self.client(ep, trainer_id) for ep in requests}
-        return wait_all({ep: (clients[ep], clients[ep].request(msg)) for ep, msg in requests.items()})
+    def _exchange(self, requests: dict[str, Message], trainer_id: int, wait: bool) -> dict[str, Message]:
+        issued = {}
+        for endpoint, msg in requests.items():
+            client = self.client(endpoint, trainer_id)
+            issued[endpoint] = (client, client.request(msg))
+        if not wait:
+            self._unsettled += issued.values()
+            return {}
+        settle = {("earlier", i): pending for i, pending in enumerate(self._unsettled)}
+        self._unsettled = []
+        replies = wait_all({**settle, **issued})
+        return {endpoint: replies[endpoint] for endpoint in issued}
 
     def send(self, items: Sequence[tuple[str, str, Any]], trainer_id: int) -> None:
-        """Push (endpoint, name, value) gradients, one message per pserver, and wait
-        for the acknowledgements. (Sending without waiting, settled at the next
-        barrier, measured several times slower per step on loopback.)"""
+        """Push (endpoint, name, value) gradients, one message per pserver, without
+        waiting (at most one step's worth is unacknowledged at a time)."""
+        self.settle()
         requests: dict[str, Message] = {}
         for endpoint, name, value in items:
             msg = requests.setdefault(endpoint, Message(Kind.SEND, trainer_id=trainer_id, step=self.step))
             msg.tensors[name] = value
-        self._all(requests, trainer_id)
+        self._exchange(requests, trainer_id, wait=False)
 
     def get(self, items: Sequence[tuple[str, str]], trainer_id: int) -> list[Any]:
         """Pull (endpoint, name) values after this trainer's current step."""
@@ -135,7 +151,7 @@ class Runtime:
         for endpoint, name in items:
             msg = requests.setdefault(endpoint, Message(Kind.GET, trainer_id=trainer_id, step=self.step))
             msg.names.append(name)
-        replies = self._all(requests, trainer_id)
+        replies = self._exchange(requests, trainer_id, wait=True)
         out = []
         for endpoint, name in items:
             tensors = replies[endpoint].tensors
@@ -145,7 +161,14 @@ class Runtime:
         return out
 
     def barrier(self, kind: int, endpoints: Sequence[str], trainer_id: int) -> None:
-        self._all({ep: Message(kind, trainer_id=trainer_id, step=self.step) for ep in endpoints}, trainer_id)
+        """The send barrier waits (for it and the sends before it); the fetch barrier does not."""
+        requests = {ep: Message(kind, trainer_id=trainer_id, step=self.step) for ep in endpoints}
+        self._exchange(requests, trainer_id, wait=kind != Kind.FETCH_BARRIER)
+
+    def settle(self) -> None:
+        """Wait for the acknowledgements of what was sent without waiting."""
+        pending, self._unsettled = self._unsettled, []
+        wait_all(dict(enumerate(pending)))
 
     def serve(self, op: Any, env: dict[str, Any]) -> None:
         """Run a pserver loop (listen_and_serv) until every trainer is done."""
@@ -161,6 +184,10 @@ class Runtime:
         """Tell every pserver this trainer is done, close the sockets. Returns the
         problems met (a pserver already gone), which must not hide the caller's own."""
         problems = []
+        try:
+            self.settle()
+        except TransportError as e:
+            problems.append(str(e))
         asked = {}
         for endpoint, client in self._clients.items():
             if client.lost:  # known dead: do not wait for it a second time

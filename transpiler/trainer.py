@@ -3,10 +3,13 @@ plus the communication ops.
 
 Each step: the gradient of each parameter is cut into its slices
 (split_byref, or split_selected_rows for sparse gradients: only touched
-rows travel), sent to the pservers owning them, and after send_barrier (sync
-mode) the parameter slices are received and concatenated back. The
-trainer's startup program receives the initial parameters the same way, so
-every trainer starts from the pservers' values.
+rows travel), one send ships every slice to the pservers owning them, and
+after send_barrier (sync mode) one recv pulls every parameter slice, which
+are concatenated back. One send and one recv per step, not one per
+variable: each is a single message per pserver, so a step costs a few
+network round trips whatever the number of parameters. The trainer's
+startup program receives the initial parameters the same way, so every
+trainer starts from the pservers' values.
 """
 
 from __future__ import annotations
@@ -32,8 +35,18 @@ def build_trainer_program(
     moved = roles.pserver_ops
     block.ops = [op for i, op in enumerate(block.ops) if i not in moved]
     _drop_unused_vars(block)
+    sent: list[tuple[str, Slice]] = []
     for update in roles.updates:
-        _send_gradient(block, update.grad, [s for s in slices if s.param == update.param], config, trainer_id)
+        sent += _split_gradient(block, update.grad, [s for s in slices if s.param == update.param])
+    if sent:
+        attrs = {
+            "epmap": [s.endpoint for _, s in sent],
+            "send_varnames": [s.grad for _, s in sent],
+            "trainer_id": trainer_id,
+            "sync_mode": config.mode == "sync",
+            "send_interval": config.send_interval,
+        }
+        append_role_op(block, "send", {"X": [name for name, _ in sent]}, {}, attrs, role=OpRole.RPC)
     if config.mode == "sync":
         append_role_op(
             block,
@@ -87,11 +100,11 @@ def receive_parameters(
     attrs = {"trainer_id": trainer_id, "sync_mode": sync, "recv_interval": config.recv_interval}
     if config.mode == "ssp":
         attrs["staleness"] = config.staleness
-    for update in roles.updates:
-        mine = [s for s in slices if s.param == update.param]
-        names = [_declare_slice(block, update.param, s) for s in mine]
-        recv_attrs = {**attrs, "epmap": [s.endpoint for s in mine], "recv_varnames": [s.name for s in mine]}
-        append_role_op(block, "recv", {}, {"Out": names}, recv_attrs, role=OpRole.RPC)
+    received = [s for update in roles.updates for s in slices if s.param == update.param]
+    if received:
+        names = [_declare_slice(block, s.param, s) for s in received]
+        attrs |= {"epmap": [s.endpoint for s in received], "recv_varnames": [s.name for s in received]}
+        append_role_op(block, "recv", {}, {"Out": names}, attrs, role=OpRole.RPC)
     if sync:
         append_role_op(
             block,
@@ -114,39 +127,31 @@ def receive_parameters(
             )
 
 
-def _send_gradient(
-    block: Block, grad: str, mine: list[Slice], config: DistributeTranspilerConfig, trainer_id: int
-) -> None:
+def _split_gradient(block: Block, grad: str, mine: list[Slice]) -> list[tuple[str, Slice]]:
+    """Cut `grad` into the slices `mine` (nothing to cut for a whole parameter);
+    returns (local variable, slice) pairs for the send."""
+    if len(mine) == 1:
+        return [(grad, mine[0])]
     var = block.var(grad)
-    names = [grad]
-    if len(mine) > 1:
-        names = []
-        for s in mine:
-            kind = VarType.SELECTED_ROWS if s.sparse else VarType.LOD_TENSOR
-            block.create_var(s.grad, shape=(s.rows, *var.shape[1:]), dtype=var.dtype, type=kind)
-            names.append(s.grad)
-        sections = [s.rows for s in mine]
-        if var.type == VarType.SELECTED_ROWS:
-            append_role_op(
-                block,
-                "split_selected_rows",
-                {"X": grad},
-                {"Out": names},
-                {"height_sections": sections},
-                role=OpRole.Dist,
-            )
-        else:
-            append_role_op(
-                block, "split_byref", {"X": grad}, {"Out": names}, {"sections": sections}, role=OpRole.Dist
-            )
-    attrs = {
-        "epmap": [s.endpoint for s in mine],
-        "send_varnames": [s.grad for s in mine],
-        "trainer_id": trainer_id,
-        "sync_mode": config.mode == "sync",
-        "send_interval": config.send_interval,
-    }
-    append_role_op(block, "send", {"X": names}, {}, attrs, role=OpRole.RPC)
+    for s in mine:
+        kind = VarType.SELECTED_ROWS if s.sparse else VarType.LOD_TENSOR
+        block.create_var(s.grad, shape=(s.rows, *var.shape[1:]), dtype=var.dtype, type=kind)
+    names = [s.grad for s in mine]
+    sections = [s.rows for s in mine]
+    if var.type == VarType.SELECTED_ROWS:
+        append_role_op(
+            block,
+            "split_selected_rows",
+            {"X": grad},
+            {"Out": names},
+            {"height_sections": sections},
+            role=OpRole.Dist,
+        )
+    else:
+        append_role_op(
+            block, "split_byref", {"X": grad}, {"Out": names}, {"sections": sections}, role=OpRole.Dist
+        )
+    return list(zip(names, mine, strict=True))
 
 
 def _declare_slice(block: Block, param: str, s: Slice) -> str:

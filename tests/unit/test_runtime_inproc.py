@@ -12,12 +12,14 @@ import uuid
 import numpy as np
 import pytest
 import zmq
+from rpc_harness import Net
 
 import fluidps
-from fluidps.errors import ExecutionError, PeerLostError, TransportError
+from fluidps.errors import ExecutionError, PeerLostError, RemoteError, TransportError
 from fluidps.executor.rpc import RpcSettings
 from fluidps.executor.runtime import GradientQueue, Runtime, settings_from_env
 from fluidps.executor.security import Security, generate_keys
+from fluidps.executor.wire import Kind, Message
 from helpers import build_mlp
 
 # Generous for live peers on a loaded machine; the dead-pserver test uses DEAD.
@@ -217,3 +219,79 @@ def test_gradient_queue_wait_wakes_on_put_from_another_thread():
     finally:
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+# -- one exchange per step: sends and the fetch barrier are settled at the next wait ------
+
+
+class HoldingPserver:
+    """Holds SENDs and FETCH_BARRIERs unanswered until the trainer's next call that waits
+    (a SEND_BARRIER or a GET) arrives, then answers them all: a trainer that waited on
+    a SEND or a fetch barrier would hang there (and fail on its request timeout)."""
+
+    def __init__(self, net: Net, endpoint: str, reject: str = ""):
+        self.reject = reject
+        self.harness = net.serve(endpoint, SETTINGS, handler=self.handle)
+
+    def handle(self, request):
+        msg = request.msg
+        if msg.kind in (Kind.SEND, Kind.FETCH_BARRIER):
+            return None
+        for held in self.harness.held:
+            if self.reject and self.reject in held.msg.tensors:
+                self.harness.server.error(held, f"owns no gradient named {self.reject!r}")
+            else:
+                self.harness.server.reply(held)
+        self.harness.held.clear()
+        if msg.kind == Kind.GET:
+            return Message(Kind.VALUES, tensors={n: np.full(2, 7.0, np.float32) for n in msg.names})
+        return Message(Kind.OK)
+
+
+@pytest.fixture
+def net():
+    net = Net()
+    yield net
+    net.close()
+
+
+def test_a_step_is_one_message_per_pserver_and_exchange(net):
+    eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    pservers = [HoldingPserver(net, ep) for ep in eps]
+    runtime = Runtime(SETTINGS)
+    try:
+        runtime.begin_step()
+        grads = [(eps[i % 2], f"w{i}@GRAD", np.full(3, i, np.float32)) for i in range(4)]
+        runtime.send(grads, trainer_id=0)  # returns although no pserver has answered
+        runtime.barrier(Kind.SEND_BARRIER, eps, trainer_id=0)  # settles the sends
+        values = runtime.get([(eps[i % 2], f"w{i}") for i in range(4)], trainer_id=0)
+        assert [v.tolist() for v in values] == [[7.0, 7.0]] * 4
+        runtime.barrier(Kind.FETCH_BARRIER, eps, trainer_id=0)  # not waited for here...
+        runtime.get([(eps[0], "w0"), (eps[1], "w1")], trainer_id=0)  # ...but with the next wait
+        runtime.begin_step()
+        runtime.send(grads, trainer_id=0)
+        runtime.barrier(Kind.SEND_BARRIER, eps, trainer_id=0)
+    finally:
+        assert runtime.close() == []
+    for i, pserver in enumerate(pservers):
+        delivered = pserver.harness.delivered
+        kinds = [Kind.Name(m.kind) for m in delivered]
+        # COMPLETE is answered at once by the handler's fall-through (OK).
+        last = ["SEND", "SEND_BARRIER", "COMPLETE"]
+        assert kinds == ["SEND", "SEND_BARRIER", "GET", "FETCH_BARRIER", "GET", *last]
+        assert sorted(delivered[0].tensors) == [f"w{j}@GRAD" for j in (i, i + 2)]  # one message, both
+        assert delivered[2].names == [f"w{j}" for j in (i, i + 2)]
+        assert [m.step for m in delivered[:4]] == [1, 1, 1, 1] and delivered[-2].step == 2
+
+
+def test_a_rejected_gradient_fails_the_next_wait_naming_the_pserver(net):
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    HoldingPserver(net, endpoint, reject="typo@GRAD")
+    runtime = Runtime(SETTINGS)
+    try:
+        runtime.begin_step()
+        runtime.send([(endpoint, "typo@GRAD", np.ones(2, np.float32))], trainer_id=0)
+        with pytest.raises(RemoteError, match=rf"pserver {endpoint} .*owns no gradient named 'typo@GRAD'"):
+            runtime.barrier(Kind.SEND_BARRIER, [endpoint], trainer_id=0)
+    finally:
+        assert runtime.close() == []

@@ -76,14 +76,30 @@ def test_mlp_trainer_program(mode):
     ]
     assert ops(trainer)[:15] == forward + BACKWARD_MLP
     # fc_0.w_0 [64, 256] (16384 values) is cut in two; fc_1.w_0 [256, 10] and the biases stay whole.
-    sends = ["split_byref", "send", "send", "send", "send"]
     barrier = mode == "sync"
-    tail = sends + ["send_barrier"] * barrier + ["recv"] * 4 + ["fetch_barrier"] * barrier + ["concat"]
-    assert ops(trainer)[15:] == tail
+    tail = ["split_byref", "send"] + ["send_barrier"] * barrier + ["recv"] + ["fetch_barrier"] * barrier
+    assert ops(trainer)[15:] == [*tail, "concat"]
     assert "adam" not in ops(trainer) and "learning_rate_0" not in trainer.global_block().vars
+    # One send and one recv carry every slice, each to its owner.
+    split = next(op for op in trainer.global_block().ops if op.type == "split_byref")
+    assert split.output("Out") == ["fc_0.w_0@GRAD.block0", "fc_0.w_0@GRAD.block1"]
+    send = next(op for op in trainer.global_block().ops if op.type == "send")
+    grads = [
+        "fc_0.w_0@GRAD.block0",
+        "fc_0.w_0@GRAD.block1",
+        "fc_0.b_0@GRAD",
+        "fc_1.w_0@GRAD",
+        "fc_1.b_0@GRAD",
+    ]
+    assert sorted(send.input("X")) == sorted(send.attr("send_varnames")) == sorted(grads)
     recv = next(op for op in trainer.global_block().ops if op.type == "recv")
-    assert recv.attr("recv_varnames") == ["fc_0.w_0.block0", "fc_0.w_0.block1"]
-    assert recv.attr("epmap") == ["127.0.0.1:6170", "127.0.0.1:6171"]
+    params = ["fc_0.w_0.block0", "fc_0.w_0.block1", "fc_0.b_0", "fc_1.w_0", "fc_1.b_0"]
+    assert sorted(recv.output("Out")) == sorted(recv.attr("recv_varnames")) == sorted(params)
+    owner = dict(zip(recv.attr("recv_varnames"), recv.attr("epmap"), strict=True))
+    assert [owner["fc_0.w_0.block0"], owner["fc_0.w_0.block1"]] == ["127.0.0.1:6170", "127.0.0.1:6171"]
+    sent_to = dict(zip(send.attr("send_varnames"), send.attr("epmap"), strict=True))
+    assert all(sent_to[f"{p.replace('.block', '@GRAD.block')}"] == owner[p] for p in params if "block" in p)
+    assert all(sent_to[f"{p}@GRAD"] == owner[p] for p in params if "block" not in p)
     assert recv.attr("staleness") == 0 and recv.attr("sync_mode") == (mode == "sync")
 
 
@@ -195,8 +211,8 @@ def test_global_norm_clipping_stays_on_the_trainer():
     trainer_ops = ops(t.get_trainer_program())
     assert "sqrt" in trainer_ops and trainer_ops.index("sqrt") < trainer_ops.index("send")
     assert plan.notes and "global-norm clipping" in plan.notes[0]
-    sends = [op for op in t.get_trainer_program().global_block().ops if op.type == "send"]
-    assert all(".clipped_" in op.input("X")[0] for op in sends)
+    (send,) = [op for op in t.get_trainer_program().global_block().ops if op.type == "send"]
+    assert send.input("X") and all(".clipped_" in name for name in send.input("X"))
 
 
 # -- startup, placement, determinism -----------------------------------------------------
@@ -206,7 +222,7 @@ def test_trainer_startup_receives_parameters_instead_of_initializing_them():
     main, startup = mlp()
     t, _plan = transpile(main, startup)
     trainer_startup = t.get_startup_program()
-    assert ops(trainer_startup) == ["recv"] * 4 + ["fetch_barrier", "concat"]
+    assert ops(trainer_startup) == ["recv", "fetch_barrier", "concat"]
     assert set(trainer_startup.global_block().vars) >= {"fc_0.w_0", "fc_0.w_0.block0", "fc_1.b_0"}
 
 
@@ -374,12 +390,12 @@ def test_transpile_cli_writes_programs_and_placement(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not host:port" in bad.stderr
 
 
-def _expected_tail(sends: list[str], recvs: int, concats: int, mode: str) -> list[str]:
+def _expected_tail(split: str, concats: int, mode: str) -> list[str]:
     barrier = mode == "sync"
     return (
-        sends
+        [split, "send"]
         + ["send_barrier"] * barrier
-        + ["recv"] * recvs
+        + ["recv"]
         + ["fetch_barrier"] * barrier
         + ["concat"] * concats
     )
@@ -400,9 +416,9 @@ def test_exact_op_types_per_role(model, mode):
     trainer_tail = ops(plan.trainer_program)[n_train_ops:]
     update = {"mlp": ["adam"], "sparse": ["sgd"], "lr_decay": ["scale", "sum", "adam"]}[model]
     if model == "sparse":
-        assert trainer_tail == _expected_tail(["split_selected_rows", "send", "send", "send"], 3, 1, mode)
+        assert trainer_tail == _expected_tail("split_selected_rows", 1, mode)
     else:
-        assert trainer_tail == _expected_tail(["split_byref", "send", "send", "send", "send"], 4, 1, mode)
+        assert trainer_tail == _expected_tail("split_byref", 1, mode)
     queued = mode != "sync"
     for ep in plan.endpoints:
         ps = plan.pserver_programs[ep]
