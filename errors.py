@@ -75,3 +75,18 @@ class PeerLostError(TransportError):
 
 class RemoteError(TransportError):
     """The peer received the request and reported an error."""
+
+
+class DatasetError(Error, ValueError):
+    """A dataset that cannot be read: a missing or invalid manifest, a shard that does not
+    match its fields or its checksum, records outside a shard."""
+
+
+class CheckpointError(Error, ValueError):
+    """A checkpoint that cannot be written or restored: corrupt (checksum mismatch),
+    incomplete, or not matching the variables it should restore."""
+
+
+class EOFException(Error):
+    """A reader has no more data: every pass over its dataset is done. As in Fluid,
+    training loops end by catching it."""

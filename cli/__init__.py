@@ -1,4 +1,4 @@
-"""The `fluidps` command line: inspect, dot, transpile, launch, serve, keys.
+"""The `fluidps` command line: inspect, dot, transpile, launch, serve, keys, data.
 
 Every command turns bad input into one line on stderr and exit status 2;
 a check that finds problems exits with 1.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 
+from fluidps.cli.data_cmd import data
 from fluidps.cli.launch_cmd import launch
 from fluidps.cli.program_cmds import dot, inspect
 from fluidps.cli.serve_cmd import keys, serve
@@ -26,3 +27,4 @@ main.add_command(transpile)
 main.add_command(launch)
 main.add_command(serve)
 main.add_command(keys)
+main.add_command(data)

@@ -7,6 +7,7 @@ PaddlePaddle's own file formats (no pickle anywhere).
     program, feed_names, fetch_targets = fluidps.io.load_inference_model("model", exe)
 """
 
+from fluidps.io.dataset import Dataset, Field, Shard, Task
 from fluidps.io.inference import load_inference_model, prune_for_inference, save_inference_model
 from fluidps.io.persistables import (
     is_parameter,
@@ -27,6 +28,10 @@ from fluidps.io.tensor_file import (
 )
 
 __all__ = [
+    "Dataset",
+    "Field",
+    "Shard",
+    "Task",
     "TensorReader",
     "is_parameter",
     "is_persistable",

@@ -1,0 +1,275 @@
+"""The coordinator's task bookkeeping: todo, pending, done and discarded, pass by pass.
+
+A trainer `acquire`s a task and gets a lease on it; it reports the lease
+`finish`ed or `fail`ed. A lease that expires (its trainer died or hangs), a
+failure, or the trainer restarting sends the task back to todo with its
+failure count + 1; past `max_failures` the task is discarded for the rest of
+the job and reported. Only the current lease of a pending task can finish it,
+so a task is counted done at most once per pass, even when a trainer thought
+dead reports late. When todo and pending are both empty the pass is over and
+the next one starts, with the surviving tasks in a new order.
+
+Pure state, no clock and no I/O: callers pass `now` (seconds, monotonic) and
+persist `to_snapshot()`, which `from_snapshot` restores exactly, pending
+leases included (their deadlines restart from the restore).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from fluidps.errors import Error
+from fluidps.io.dataset import Task
+
+SNAPSHOT_VERSION = 1
+
+
+@dataclass
+class Lease:
+    id: int
+    task: int
+    trainer: int
+    worker: str  # the trainer process's incarnation
+    attempt: int  # failures the task had when this lease was given
+    deadline: float = 0.0
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """What a queue hands out: a dataset's tasks, `passes` times."""
+
+    fingerprint: str  # the dataset's
+    records_per_task: int
+    passes: int = 1
+    shuffle: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.passes < 1 or self.records_per_task < 1:
+            raise Error(f"passes and records_per_task must be >= 1: {self}")
+
+
+class TaskQueue:
+    def __init__(
+        self, config: QueueConfig, tasks: Sequence[Task], timeout: float = 60.0, max_failures: int = 3
+    ):
+        if timeout <= 0 or max_failures < 0:
+            raise Error(f"task timeout must be > 0 and max_failures >= 0, got {timeout}, {max_failures}")
+        self.config = config
+        self.tasks = list(tasks)
+        self.timeout = timeout
+        self.max_failures = max_failures
+        self.pass_index = 0
+        self.failures: dict[int, int] = {}
+        self.discarded: dict[int, str] = {}  # task id -> why (its last failure)
+        self.todo: deque[int] = deque(self._order(0))
+        self.pending: dict[int, Lease] = {}  # task id -> its current lease
+        self.done: list[int] = []  # this pass, in the order they finished
+        self.history: list[dict[str, Any]] = []  # one summary per finished pass
+        self.samples = 0  # this pass
+        self.loss_sum = 0.0  # this pass: sum of loss x samples of tasks that reported a loss
+        self.loss_samples = 0
+        self.next_lease = 1
+
+    # -- the protocol --------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.pass_index >= self.config.passes
+
+    def acquire(self, trainer: int, worker: str, now: float) -> Lease | str:
+        """A lease on the next task, the same lease again if this worker already holds one,
+        "wait" (the pass ends once the pending tasks finish) or "finished"."""
+        self.expire(now)
+        for lease in list(self.pending.values()):
+            if lease.trainer == trainer and lease.worker != worker:
+                self._failed(lease, f"trainer {trainer} restarted while it held the task")
+            elif lease.worker == worker:
+                return lease
+        if self.finished:
+            return "finished"
+        if not self.todo:
+            return "wait"
+        task = self.todo.popleft()
+        lease = Lease(self.next_lease, task, trainer, worker, self.failures.get(task, 0), now + self.timeout)
+        self.next_lease += 1
+        self.pending[task] = lease
+        return lease
+
+    def finish(self, lease_id: int, worker: str, samples: int = 0, loss: float | None = None) -> bool:
+        """Count the lease's task done; False for a lease that is no longer current."""
+        lease = self._current(lease_id, worker)
+        if lease is None:
+            return False
+        del self.pending[lease.task]
+        self.done.append(lease.task)
+        self.samples += samples
+        if loss is not None and samples > 0:
+            self.loss_sum += loss * samples
+            self.loss_samples += samples
+        self._maybe_next_pass()
+        return True
+
+    def fail(self, lease_id: int, worker: str, reason: str) -> str:
+        """ "requeued", "discarded" or "stale" (not a current lease: nothing changes)."""
+        lease = self._current(lease_id, worker)
+        if lease is None:
+            return "stale"
+        return self._failed(lease, reason)
+
+    def release(self, lease_id: int, worker: str) -> bool:
+        """Give a task back unfinished without counting a failure (a trainer stopping early)."""
+        lease = self._current(lease_id, worker)
+        if lease is None:
+            return False
+        del self.pending[lease.task]
+        self.todo.appendleft(lease.task)
+        return True
+
+    def expire(self, now: float) -> list[tuple[Lease, str]]:
+        """Fail every lease past its deadline: [(lease, "requeued" or "discarded")]."""
+        late = [lease for lease in self.pending.values() if lease.deadline <= now]
+        return [(lease, self._failed(lease, f"timed out after {self.timeout:g} s")) for lease in late]
+
+    def renew(self, lease_id: int, worker: str, now: float) -> bool:
+        """Push a current lease's deadline back (its trainer is alive and working on it)."""
+        lease = self._current(lease_id, worker)
+        if lease is None:
+            return False
+        lease.deadline = now + self.timeout
+        return True
+
+    # -- inside ----------------------------------------------------------------------------
+
+    def _current(self, lease_id: int, worker: str) -> Lease | None:
+        for lease in self.pending.values():
+            if lease.id == lease_id:
+                return lease if lease.worker == worker else None
+        return None
+
+    def _failed(self, lease: Lease, reason: str) -> str:
+        del self.pending[lease.task]
+        count = self.failures[lease.task] = self.failures.get(lease.task, 0) + 1
+        if count > self.max_failures:
+            self.discarded[lease.task] = reason
+            outcome = "discarded"
+        else:
+            self.todo.append(lease.task)
+            outcome = "requeued"
+        self._maybe_next_pass()
+        return outcome
+
+    def _order(self, pass_index: int) -> list[int]:
+        ids = [t.id for t in self.tasks if t.id not in self.discarded]
+        if self.config.shuffle:
+            rng = np.random.default_rng([self.config.seed, pass_index])
+            ids = [ids[i] for i in rng.permutation(len(ids))]
+        return ids
+
+    def _maybe_next_pass(self) -> None:
+        if self.todo or self.pending or self.finished:
+            return
+        self.history.append(
+            {
+                "pass": self.pass_index,
+                "done": list(self.done),
+                "discarded": sorted(self.discarded),
+                "samples": self.samples,
+                "loss": self.mean_loss,
+            }
+        )
+        self.pass_index += 1
+        self.done, self.samples, self.loss_sum, self.loss_samples = [], 0, 0.0, 0
+        if not self.finished:
+            self.todo = deque(self._order(self.pass_index))
+            if not self.todo:  # everything was discarded: nothing left to read
+                self.pass_index = self.config.passes
+
+    @property
+    def mean_loss(self) -> float | None:
+        return self.loss_sum / self.loss_samples if self.loss_samples else None
+
+    # -- reporting and persistence -------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        live = len(self.tasks) - len(self.discarded)
+        return {
+            "pass": min(self.pass_index, self.config.passes - 1),
+            "passes": self.config.passes,
+            "finished": self.finished,
+            "tasks": len(self.tasks),
+            "tasks_this_pass": len(self.done) + len(self.todo) + len(self.pending)
+            if not self.finished
+            else live,
+            "done": len(self.done) if not self.finished else 0,
+            "pending": len(self.pending),
+            "todo": len(self.todo),
+            "discarded": {str(t): why for t, why in sorted(self.discarded.items())},
+            "samples": self.samples,
+            "total_samples": self.samples + sum(h["samples"] for h in self.history),
+            "loss": self.mean_loss,
+            "history": self.history,
+        }
+
+    def to_snapshot(self) -> dict[str, Any]:
+        return {
+            "version": SNAPSHOT_VERSION,
+            "config": asdict(self.config),
+            "tasks": [[t.id, t.shard, t.start, t.stop] for t in self.tasks],
+            "timeout": self.timeout,
+            "max_failures": self.max_failures,
+            "pass": self.pass_index,
+            "todo": list(self.todo),
+            "pending": [
+                {k: v for k, v in asdict(lease).items() if k != "deadline"} for lease in self.pending.values()
+            ],
+            "done": self.done,
+            "failures": {str(t): n for t, n in self.failures.items()},
+            "discarded": {str(t): why for t, why in self.discarded.items()},
+            "history": self.history,
+            "samples": self.samples,
+            "loss_sum": self.loss_sum,
+            "loss_samples": self.loss_samples,
+            "next_lease": self.next_lease,
+        }
+
+    @classmethod
+    def from_snapshot(cls, snapshot: dict[str, Any], now: float) -> TaskQueue:
+        """The queue a snapshot describes; raises Error when it is not a valid snapshot."""
+        try:
+            if snapshot["version"] != SNAPSHOT_VERSION:
+                raise Error(f"snapshot version {snapshot['version']} is not {SNAPSHOT_VERSION}")
+            tasks = [Task(int(i), int(s), int(a), int(b)) for i, s, a, b in snapshot["tasks"]]
+            queue = cls(
+                QueueConfig(**snapshot["config"]), tasks, snapshot["timeout"], snapshot["max_failures"]
+            )
+            queue.pass_index = int(snapshot["pass"])
+            queue.todo = deque(int(t) for t in snapshot["todo"])
+            queue.pending = {}
+            for item in snapshot["pending"]:
+                lease = Lease(**item, deadline=now + queue.timeout)
+                queue.pending[lease.task] = lease
+            queue.done = [int(t) for t in snapshot["done"]]
+            queue.failures = {int(t): int(n) for t, n in snapshot["failures"].items()}
+            queue.discarded = {int(t): str(why) for t, why in snapshot["discarded"].items()}
+            queue.history = list(snapshot["history"])
+            queue.samples = int(snapshot["samples"])
+            queue.loss_sum = float(snapshot["loss_sum"])
+            queue.loss_samples = int(snapshot["loss_samples"])
+            queue.next_lease = int(snapshot["next_lease"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise Error(f"not a valid coordinator snapshot: {type(e).__name__}: {e}") from None
+        queue._check()
+        return queue
+
+    def _check(self) -> None:
+        """Every task is in exactly one place (todo, pending, done, discarded) of this pass."""
+        ids = {t.id for t in self.tasks}
+        places = [*self.todo, *self.pending, *self.done, *self.discarded]
+        if len(places) != len(set(places)) or (not self.finished and set(places) != ids):
+            raise Error("not a valid coordinator snapshot: its tasks are not each in exactly one queue")
