@@ -1,6 +1,8 @@
 """Local training throughput, one JSON row per workload.
 
-    python -m bench.local [--steps 300] [--repeats 3]
+    python -m bench.local [--steps 300] [--repeats 3] [--ctr-batch 512] [--ctr-steps N]
+                          [--ctr-vocab 1000000] [--no-torch] [--no-paddle]
+                          [--sparse-table-rows N] [--sparse-rows N] [--sparse-repeats N]
 
 Workloads (one thread everywhere: BLAS, numba, and PyTorch):
 - mlp:   the digits MLP 64-256-256-10, SGD, batch 64 and 128 -> steps/s
@@ -30,7 +32,7 @@ from collections.abc import Callable  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fluidps  # noqa: E402
-from bench import sparse_update  # noqa: E402
+from bench import paddle_peer, sparse_update  # noqa: E402
 from fluidps import layers, optimizer  # noqa: E402
 
 CTR_FIELDS, CTR_DENSE, CTR_VOCAB, CTR_DIM = 26, 13, 1_000_000, 8
@@ -72,9 +74,9 @@ def fluidps_classifier(sizes: list[int], batch: int, steps: int, repeats: int) -
     return timed(lambda i: exe.run(main, feed=batches[i % 8], fetch_list=[loss]), steps, repeats)
 
 
-def ctr_batches(batch: int, count: int = 8) -> list[dict[str, np.ndarray]]:
+def ctr_batches(batch: int, count: int = 8, vocab: int = CTR_VOCAB) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(1)
-    per_field = CTR_VOCAB // CTR_FIELDS
+    per_field = vocab // CTR_FIELDS
     out = []
     for _ in range(count):
         ranks = (rng.zipf(1.3, size=(batch, CTR_FIELDS)) - 1) % per_field
@@ -88,20 +90,20 @@ def ctr_batches(batch: int, count: int = 8) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def fluidps_ctr(batch: int, steps: int, repeats: int) -> float:
+def fluidps_ctr(batch: int, steps: int, repeats: int, vocab: int = CTR_VOCAB) -> float:
     main, startup = fluidps.Program(), fluidps.Program()
     with fluidps.program_guard(main, startup):
         ids = layers.data("ids", [CTR_FIELDS], dtype="int64")
         dense = layers.data("dense", [CTR_DENSE])
         label = layers.data("label", [1], dtype="int64")
-        emb = layers.embedding_v2(ids, [CTR_VOCAB, CTR_DIM], is_sparse=True)
+        emb = layers.embedding_v2(ids, [vocab, CTR_DIM], is_sparse=True)
         h = layers.concat([layers.reshape(emb, [-1, CTR_FIELDS * CTR_DIM]), dense], axis=1)
         h = layers.fc(layers.fc(h, 64, act="relu"), 32, act="relu")
         loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 2), label))
         optimizer.Adam(0.001, lazy_mode=True).minimize(loss)
     exe = fluidps.Executor()
     exe.run(startup)
-    batches = ctr_batches(batch)
+    batches = ctr_batches(batch, vocab=vocab)
     return batch * timed(
         lambda i: exe.run(main, feed=batches[i % 8], fetch_list=[loss]), steps, repeats, warmup=5
     )
@@ -137,9 +139,9 @@ def torch_classifier(torch, sizes: list[int], batch: int, steps: int, repeats: i
     return timed(step, steps, repeats)
 
 
-def torch_ctr(torch, batch: int, steps: int, repeats: int) -> float:
+def torch_ctr(torch, batch: int, steps: int, repeats: int, vocab: int = CTR_VOCAB) -> float:
     nn = torch.nn
-    emb = nn.Embedding(CTR_VOCAB, CTR_DIM, sparse=True)
+    emb = nn.Embedding(vocab, CTR_DIM, sparse=True)
     mlp = nn.Sequential(
         nn.Linear(CTR_FIELDS * CTR_DIM + CTR_DENSE, 64),
         nn.ReLU(),
@@ -151,7 +153,7 @@ def torch_ctr(torch, batch: int, steps: int, repeats: int) -> float:
     dense_opt = torch.optim.Adam(mlp.parameters(), lr=0.001)
     batches = [
         {k: torch.from_numpy(v.reshape(-1) if k == "label" else v) for k, v in b.items()}
-        for b in ctr_batches(batch)
+        for b in ctr_batches(batch, vocab=vocab)
     ]
 
     def step(i: int) -> None:
@@ -189,15 +191,23 @@ def row(workload: str, unit: str, ours: float, peers: dict[str, float], **extra)
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ctr-batch", type=int, default=512)
-    args = parser.parse_args()
-    torch = load_torch()
+    parser.add_argument("--ctr-steps", type=int, help="timed ctr steps (default: max(steps // 3, 30))")
+    parser.add_argument("--ctr-vocab", type=int, default=CTR_VOCAB, help="rows of the ctr embedding")
+    parser.add_argument("--no-torch", action="store_true", help="skip PyTorch even when importable")
+    parser.add_argument("--no-paddle", action="store_true", help="skip PaddlePaddle even when importable")
+    parser.add_argument("--sparse-table-rows", type=int, help="bench.sparse_update's --table-rows")
+    parser.add_argument("--sparse-rows", type=int, help="bench.sparse_update's --rows")
+    parser.add_argument("--sparse-repeats", type=int, help="bench.sparse_update's --repeats")
+    args = parser.parse_args(argv)
+    torch = None if args.no_torch else load_torch()
+    paddle = None if args.no_paddle else paddle_peer.load_paddle()
 
     for name, sizes, batch in (
         ("digits_mlp", [64, 256, 256, 10], 64),
@@ -206,6 +216,10 @@ def main() -> None:
     ):
         ours = fluidps_classifier(sizes, batch, args.steps, args.repeats)
         peers = {"torch": torch_classifier(torch, sizes, batch, args.steps, args.repeats)} if torch else {}
+        if paddle:
+            peers["paddle"] = timed(
+                paddle_peer.classifier_step(paddle, sizes, batch), args.steps, args.repeats
+            )
         print(
             json.dumps(
                 row(
@@ -220,9 +234,15 @@ def main() -> None:
             )
         )
 
-    ctr_steps = max(args.steps // 3, 30)
-    ours = fluidps_ctr(args.ctr_batch, ctr_steps, args.repeats)
-    peers = {"torch": torch_ctr(torch, args.ctr_batch, ctr_steps, args.repeats)} if torch else {}
+    ctr_steps = max(args.steps // 3, 30) if args.ctr_steps is None else args.ctr_steps
+    ours = fluidps_ctr(args.ctr_batch, ctr_steps, args.repeats, args.ctr_vocab)
+    peers = (
+        {"torch": torch_ctr(torch, args.ctr_batch, ctr_steps, args.repeats, args.ctr_vocab)} if torch else {}
+    )
+    if paddle:
+        batches = ctr_batches(args.ctr_batch, vocab=args.ctr_vocab)
+        step = paddle_peer.ctr_step(paddle, batches, args.ctr_vocab, CTR_FIELDS, CTR_DIM, CTR_DENSE)
+        peers["paddle"] = args.ctr_batch * timed(step, ctr_steps, args.repeats, warmup=5)
     print(
         json.dumps(
             row(
@@ -230,14 +250,22 @@ def main() -> None:
                 "samples/s",
                 ours,
                 peers,
-                table=f"{CTR_VOCAB}x{CTR_DIM}",
+                table=f"{args.ctr_vocab}x{CTR_DIM}",
                 fields=CTR_FIELDS,
                 batch=args.ctr_batch,
                 optimizer="lazy adam (torch: SparseAdam + Adam)",
             )
         )
     )
-    sparse_update.main([])
+    sparse_argv = []
+    for flag, value in (
+        ("--table-rows", args.sparse_table_rows),
+        ("--rows", args.sparse_rows),
+        ("--repeats", args.sparse_repeats),
+    ):
+        if value is not None:
+            sparse_argv += [flag, str(value)]
+    sparse_update.main(sparse_argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Click-through-rate prediction on synthetic clicks with a 1,000,000-row sparse embedding.
 
-    python examples/ctr_embedding.py         # held-out AUC around 0.75-0.8
+    python examples/ctr_embedding.py         # held-out AUC about 0.86 (0.855-0.861 over --seed 0, 1, 2)
 
 Each example has 26 categorical fields (ids drawn from a heavy-tailed
 distribution, as real categorical features are) and 13 dense features; its

@@ -15,7 +15,10 @@ class DistributeTranspilerConfig:
     """
     slice_var_up: cut parameters into row blocks so one large table spreads over pservers.
     split_method: "RoundRobin" (blocks to pservers in turn) or "HashName" (crc32 of the
-      block's name, stable across runs and machines).
+      block's name, stable across runs and machines). HashName placement does not
+      balance bytes (a pserver may get most of a model, or nothing); RoundRobin deals
+      each parameter's row blocks out in turn, so the large parameters, cut into one
+      block per pserver, spread evenly.
     min_block_size: the fewest elements a block may have (blocks are whole rows).
     mode: "sync" (barriers; gradients averaged over trainers), "async" (each gradient
       applied as it arrives) or "ssp" (async, but no trainer more than `staleness`

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import fluidps
+from fluidps import optimizer
 from helpers import build_every_layer, build_mlp, paddle_fixture
 
 
@@ -24,6 +26,26 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def mlp_file(tmp_path: Path) -> Path:
     path = tmp_path / "mlp.pb"
     path.write_bytes(build_mlp()[0].serialize_to_string())
+    return path
+
+
+@pytest.fixture
+def pserver_program() -> fluidps.Program:
+    """A transpiled pserver program: listen_and_serv in block 0, one optimize sub-block per slice."""
+    main, startup, loss = build_mlp()
+    with fluidps.program_guard(main, startup):
+        optimizer.SGD(0.1).minimize(loss)
+    t = fluidps.DistributeTranspiler()
+    t.transpile(0, main, "127.0.0.1:6170,127.0.0.1:6171", trainers=2, startup_program=startup)
+    program = t.get_pserver_program("127.0.0.1:6170")
+    assert program.num_blocks > 2
+    return program
+
+
+@pytest.fixture
+def pserver_file(tmp_path: Path, pserver_program) -> Path:
+    path = tmp_path / "pserver.pb"
+    path.write_bytes(pserver_program.serialize_to_string())
     return path
 
 
@@ -126,6 +148,113 @@ def test_dot_writes_graphviz(tmp_path, mlp_file):
     refused = run("dot", str(mlp_file), "-o", str(tmp_path / "mlp.svg"), env=env)
     assert refused.returncode == 1 and "Graphviz's `dot` is not installed" in refused.stderr
     assert refused.stderr.count("\n") == 1
+
+
+def test_inspect_one_block_of_a_program_with_sub_blocks(pserver_file, pserver_program):
+    n = pserver_program.num_blocks
+    full = run("inspect", str(pserver_file))
+    assert full.returncode == 0, full.stderr
+    headers = [line for line in full.stdout.splitlines() if line.startswith("block ")]
+    assert [h.split()[1] for h in headers] == [str(i) for i in range(n)]
+    result = run("inspect", str(pserver_file), "--block", "0", "--check")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith(f"program: {n} blocks, ")  # the summary still counts the whole program
+    assert [line for line in out.splitlines() if line.startswith("block ")] == [headers[0]]
+    assert headers[0].startswith("block 0 (parent: none)")
+    assert "#0  listen_and_serv  [rpc]" in out and "pserver_id=0" in out
+    assert "endpoint='127.0.0.1:6170'" in out and "gradient -> optimize block:" in out
+    assert "  sgd  [optimize]" not in out  # the optimizer ops live in the sub-blocks
+    assert out.rstrip().endswith("verify: ok")
+    last = run("inspect", str(pserver_file), "--block", str(n - 1))
+    assert last.returncode == 0, last.stderr
+    assert [line for line in last.stdout.splitlines() if line.startswith("block ")] == [headers[-1]]
+    assert "optimize block of" in headers[-1] and "  sgd  [optimize]" in last.stdout
+    assert "listen_and_serv" not in last.stdout
+    as_json = json.loads(run("inspect", str(pserver_file), "--block", "0", "--json").stdout)
+    assert len(as_json["blocks"]) == 1 and [op["type"] for op in as_json["blocks"][0]["ops"]] == [
+        "listen_and_serv"
+    ]
+
+
+def test_dot_draws_one_block(tmp_path, pserver_file, pserver_program):
+    env = {**os.environ, "PATH": str(tmp_path / "empty-bin")}
+    whole = tmp_path / "whole.dot"
+    assert run("dot", str(pserver_file), "-o", str(whole), env=env).returncode == 0
+    whole_text = whole.read_text()
+    for i in range(pserver_program.num_blocks):
+        assert f"subgraph cluster_{i} {{" in whole_text
+    idx = pserver_program.num_blocks - 1
+    out = tmp_path / "block.dot"
+    result = run("dot", str(pserver_file), "-o", str(out), "--block", str(idx), env=env)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}" in result.stdout
+    text = out.read_text()
+    assert text.startswith("digraph program {") and text.rstrip().endswith("}")
+    assert f'label="block {idx} (parent 0)"' in text
+    ops = pserver_program.block(idx).ops
+    for i, op in enumerate(ops):
+        assert f'"op:{idx}:{i}" [shape=box' in text and f'label="{op.type}"' in text
+    assert text.count('" [shape=box') == len(ops)  # only this block's ops
+    assert '"op:0:0"' not in text and "listen_and_serv" not in text
+    other = next(i for i in range(1, pserver_program.num_blocks) if i != idx)
+    assert f"cluster_{other} " not in text and f'"op:{other}:' not in text
+    # Block 0's variables the sub-block reads and writes are drawn, in block 0's cluster.
+    param = ops[-1].input("Param")[0]
+    assert f'"var:0:{param}" -> "op:{idx}:{len(ops) - 1}" [label="Param"]' in text
+    bad = run("dot", str(pserver_file), "-o", str(tmp_path / "x.dot"), "--block", str(idx + 1))
+    assert bad.returncode == 2 and f"the program has blocks 0..{idx}" in bad.stderr
+
+
+FAKE_DOT = """#!/bin/sh
+# A stand-in for Graphviz's dot: record the arguments, write a file where -o says.
+printf '%s\\n' "$@" > "${0%/*}/argv.txt"  # only this script is on PATH: shell built-ins only
+[ -n "$FAKE_DOT_FAIL" ] && { echo "syntax error in line 1" >&2; exit 1; }
+out=""
+while [ $# -gt 0 ]; do
+    if [ "$1" = "-o" ]; then out="$2"; fi
+    shift
+done
+printf 'rendered by fake dot\\n' > "$out"
+"""
+
+
+@pytest.fixture
+def fake_dot(tmp_path: Path) -> tuple[Path, dict]:
+    """A `dot` on PATH that records its argv in BIN/argv.txt; (BIN, env for the CLI)."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    script = bin_dir / "dot"
+    script.write_text(FAKE_DOT)
+    script.chmod(0o755)
+    return bin_dir, {**os.environ, "PATH": str(bin_dir)}
+
+
+@pytest.mark.parametrize(("suffix", "rendered"), [("dot", "svg"), ("svg", "svg"), ("png", "png")])
+def test_dot_renders_through_graphviz_on_path(tmp_path, mlp_file, fake_dot, suffix, rendered):
+    bin_dir, env = fake_dot
+    out = tmp_path / f"mlp.{suffix}"
+    result = run("dot", str(mlp_file), "-o", str(out), env=env)
+    assert result.returncode == 0, result.stderr
+    dot_path, image = tmp_path / "mlp.dot", tmp_path / f"mlp.{rendered}"
+    assert (bin_dir / "argv.txt").read_text().splitlines() == [
+        f"-T{rendered}",
+        str(dot_path),
+        "-o",
+        str(image),
+    ]
+    assert dot_path.read_text().startswith("digraph program {")  # what dot was given to render
+    assert image.read_text() == "rendered by fake dot\n"
+    assert result.stdout.splitlines() == [f"wrote {dot_path}", f"wrote {image}"]
+    assert "install Graphviz" not in result.stderr
+
+
+def test_dot_failure_of_graphviz_is_one_line_and_status_1(tmp_path, mlp_file, fake_dot):
+    _, env = fake_dot
+    result = run("dot", str(mlp_file), "-o", str(tmp_path / "mlp.svg"), env={**env, "FAKE_DOT_FAIL": "1"})
+    assert result.returncode == 1
+    assert result.stderr == f"fluidps: error: dot failed on {tmp_path / 'mlp.dot'}: syntax error in line 1\n"
+    assert not (tmp_path / "mlp.svg").exists()
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz is not installed")

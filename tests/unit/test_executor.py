@@ -72,6 +72,26 @@ def test_prepared_programs_are_cached_per_version_and_names():
     assert exe.prepare(main, ["x"], [out.name]) is not first
 
 
+def test_prepared_programs_are_keyed_by_the_feed_names():
+    main, startup, _, out = _linear()
+    with fluidps.program_guard(main, startup):
+        layers.data("y", [3])  # a second data variable `out` does not read
+    exe = fluidps.Executor()
+    exe.run(startup)
+    both = exe.prepare(main, ["x", "y"], [out.name])
+    assert exe.prepare(main, ["y", "x"], [out.name]) is both  # a feed dict's order is no key
+    x_only = exe.prepare(main, ["x"], [out.name])
+    assert x_only is not both and exe.prepare(main, ["x"], [out.name]) is x_only
+    # exe.run prepares by the feed dict's keys: both entries are reused, neither replaced.
+    batch = np.ones((2, 3), np.float32)
+    (with_y,) = exe.run(main, feed={"y": batch, "x": batch}, fetch_list=[out])
+    (without_y,) = exe.run(main, feed={"x": batch}, fetch_list=[out])
+    np.testing.assert_array_equal(with_y, without_y)
+    assert exe.prepare(main, {"y": 0, "x": 0}.keys(), [out.name]) is both
+    assert exe.prepare(main, {"x": 0}.keys(), [out.name]) is x_only
+    assert exe.prepare(main, ["y"], [out.name]) not in (both, x_only)
+
+
 def test_persistable_fetches_are_copies():
     main, startup, _, _ = _linear()
     exe = fluidps.Executor()

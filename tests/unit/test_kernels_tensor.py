@@ -2,10 +2,13 @@
 forward against numpy, gradients against finite differences, SelectedRows
 cases, random seeds, and programs with explicit feed and fetch ops.
 
-Gradients are checked with `grad_check` below rather than optest.check_grad:
-check_grad replaces every output seed with zeros (its "output not in L" test
-compares `x@GRAD` with seed keys that have no suffix), so both sides it
-compares are zero."""
+Gradients are checked with `grad_check` below, the same comparison as
+optest.check_grad: random seeds for the outputs in L = sum_o sum(out_o * seed_o)
+(zero seeds for the outputs left out of L), the grad maker's ops run on them, and
+the analytic gradients compared with central differences in float64, a check
+where everything is zero being refused. grad_check also asserts that each
+gradient has its input's shape and dtype, and takes dense inputs only
+(check_grad also perturbs the values of SelectedRows inputs)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 import fluidps
@@ -185,3 +186,47 @@ def test_random_seed_reaches_initializers():
     with fluidps.program_guard(main, startup):
         layers.fc(layers.data("x", [3]), 2)
     assert startup.global_block().ops[0].attr("seed") == 42
+
+
+def _initialized(init, shape=(200, 100), random_seed=0):
+    """The values `init` gives a float32 parameter of `shape`, by running the startup program."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = random_seed
+    with fluidps.program_guard(main, startup):
+        layers.create_parameter(list(shape), "float32", attr=fluidps.ParamAttr(name="w", initializer=init))
+    exe = fluidps.Executor()
+    exe.run(startup)
+    value = exe.scope["w"]
+    assert value.shape == shape and value.dtype == np.float32
+    return value.astype(np.float64)
+
+
+def test_uniform_initializer_fills_its_range():
+    w = _initialized(initializer.Uniform(-0.5, 2.0, seed=7))
+    assert w.min() >= -0.5 and w.max() < 2.0
+    assert w.min() < -0.49 and w.max() > 1.99  # the whole range, not a corner of it
+    # 20,000 draws: the mean's standard error is 2.5 / sqrt(12 * 20000) ~ 0.005.
+    assert abs(w.mean() - 0.75) < 0.03 and abs(w.std() - 2.5 / math.sqrt(12)) < 0.02
+    np.testing.assert_array_equal(_initialized(initializer.Uniform(-0.5, 2.0, seed=7)), w)
+    assert not np.array_equal(_initialized(initializer.Uniform(-0.5, 2.0, seed=8)), w)
+
+
+def test_normal_initializer_moments():
+    w = _initialized(initializer.Normal(3.0, 0.5, seed=11))
+    assert abs(w.mean() - 3.0) < 0.02 and abs(w.std() - 0.5) < 0.015
+    assert abs(np.mean(np.abs(w - 3.0) < 0.5) - 0.6827) < 0.02  # one standard deviation: 68%
+    np.testing.assert_array_equal(_initialized(initializer.Normal(3.0, 0.5, seed=11)), w)
+    # seed=0 takes the startup program's random_seed.
+    np.testing.assert_array_equal(_initialized(initializer.Normal(3.0, 0.5), random_seed=11), w)
+
+
+@pytest.mark.parametrize(("shape", "fan_sum"), [((200, 100), 300), ((16, 8, 5, 5), 8 * 25 + 16 * 25)])
+def test_xavier_normal_initializer_moments(shape, fan_sum):
+    w = _initialized(initializer.Xavier(uniform=False, seed=3), shape)
+    std = math.sqrt(2.0 / fan_sum)
+    assert abs(w.mean()) < 0.15 * std and abs(w.std() / std - 1) < 0.05
+    # Gaussian, not uniform: about 8% lie beyond the uniform variant's limit sqrt(6 / fan_sum).
+    beyond = np.mean(np.abs(w) > math.sqrt(6.0 / fan_sum))
+    assert 0.05 < beyond < 0.12
+    uniform = _initialized(initializer.Xavier(seed=3), shape)
+    assert np.abs(uniform).max() <= math.sqrt(6.0 / fan_sum)

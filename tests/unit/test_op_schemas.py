@@ -191,6 +191,58 @@ def test_append_op_checks_attributes_and_slots():
         REGISTRY.append_op(block, "pool2d", {"X": "x"}, {"Out": "o"}, {"pooling_type": "max"})
 
 
+def _adam_block():
+    block = fluidps.Program().global_block()
+    for name, shape in (("p", [4, 3]), ("g", [4, 3]), ("m1", [4, 3]), ("m2", [4, 3])):
+        block.create_var(name, shape=shape, dtype="float32")
+    for name in ("lr", "b1p", "b2p", "t"):
+        block.create_var(name, shape=[1], dtype="float32")
+    block.create_var("skip", shape=[1], dtype="bool")
+    inputs = {"Param": "p", "Grad": "g", "Moment1": "m1", "Moment2": "m2", "LearningRate": "lr"}
+    inputs |= {"Beta1Pow": "b1p", "Beta2Pow": "b2p"}
+    outputs = {"ParamOut": "p", "Moment1Out": "m1", "Moment2Out": "m2"}
+    return block, inputs, outputs
+
+
+@pytest.mark.parametrize(
+    ("slot", "var"),
+    [("SkipUpdate", "skip"), ("Beta1Tensor", "t"), ("Moment2Max", "m2"), ("MasterParam", "p")],
+)
+def test_adam_refuses_paddle_extra_inputs(slot, var):
+    block, inputs, outputs = _adam_block()
+    REGISTRY.append_op(block, "adam", {**inputs, slot: []}, outputs)  # empty, as Paddle writes it
+    with pytest.raises(fluidps.UnsupportedError, match=f"op 'adam': input '{slot}' is not implemented"):
+        REGISTRY.append_op(block, "adam", {**inputs, slot: var}, outputs)
+    assert len(block.ops) == 1
+
+
+@pytest.mark.parametrize("slot", ["Shape", "ShapeTensor"])
+def test_reshape2_refuses_shape_tensors(slot):
+    block = fluidps.Program().global_block()
+    block.create_var("x", shape=[2, 6], dtype="float32")
+    block.create_var("shape", shape=[2], dtype="int32")
+    for name in ("o", "xshape"):
+        block.create_var(name)
+    outputs = {"Out": "o", "XShape": "xshape"}
+    with pytest.raises(fluidps.UnsupportedError, match=f"op 'reshape2': input '{slot}' is not implemented"):
+        REGISTRY.append_op(block, "reshape2", {"X": "x", slot: "shape"}, outputs, {"shape": [3, 4]})
+    assert block.ops == []
+    REGISTRY.append_op(block, "reshape2", {"X": "x", slot: []}, outputs, {"shape": [3, 4]})
+    assert block.var("o").shape == (3, 4)
+
+
+def test_quantized_ops_are_refused():
+    block = fluidps.Program().global_block()
+    block.create_var("x", shape=[2], dtype="float32")
+    block.create_var("o")
+    with pytest.raises(
+        fluidps.UnsupportedError,
+        match="op 'relu': with_quant_attr=True is not implemented: quantized programs are not supported",
+    ):
+        REGISTRY.append_op(block, "relu", {"X": "x"}, {"Out": "o"}, {"with_quant_attr": True})
+    assert block.ops == []
+
+
 # -- grad makers --------------------------------------------------------------------------
 
 

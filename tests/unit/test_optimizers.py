@@ -198,3 +198,81 @@ def test_minimize_needs_a_startup_program():
         y = layers.mean(x)
     with pytest.raises(fluidps.BuilderError):
         optimizer.SGD(0.1).minimize(y)
+
+
+def _two_layers():
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 5
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [3])
+        loss = layers.mean(layers.square(layers.fc(layers.fc(x, 4, act="tanh"), 2)))
+    return main, startup, loss
+
+
+def _updated(main, startup, loss, *startups):
+    """Which parameters one training step changes."""
+    exe = fluidps.Executor()
+    for program in (startup, *startups):
+        exe.run(program)
+    before = {p.name: exe.scope[p.name].copy() for p in main.all_parameters()}
+    exe.run(main, feed={"x": np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)})
+    return {name for name, value in before.items() if not np.array_equal(exe.scope[name], value)}
+
+
+def _updated_params(main, op_type):
+    return [op.input("Param")[0] for op in main.global_block().ops if op.type == op_type]
+
+
+ALL_PARAMS = ["fc_0.w_0", "fc_0.b_0", "fc_1.w_0", "fc_1.b_0"]
+
+
+def test_minimize_parameter_list_updates_only_the_listed_parameters():
+    main, startup, loss = _two_layers()
+    listed = [main.global_block().var("fc_1.w_0"), "fc_0.b_0"]  # a Parameter and a name
+    with fluidps.program_guard(main, startup):
+        ops, params_grads = optimizer.Adam(0.1).minimize(loss, parameter_list=listed)
+    assert sorted(p.name for p, _ in params_grads) == ["fc_0.b_0", "fc_1.w_0"]
+    assert sorted(_updated_params(main, "adam")) == sorted(op.input("Param")[0] for op in ops)
+    assert sorted(_updated_params(main, "adam")) == ["fc_0.b_0", "fc_1.w_0"]
+    moments = {n for n in startup.global_block().vars if "_moment1_" in n}
+    assert moments == {"fc_0.b_0_moment1_0", "fc_1.w_0_moment1_0"}
+    assert _updated(main, startup, loss) == {"fc_0.b_0", "fc_1.w_0"}
+    _, other_startup, other_loss = _two_layers()
+    with pytest.raises(fluidps.BuilderError, match="'x' in parameter_list is not a parameter"):
+        optimizer.SGD(0.1).minimize(other_loss, other_startup, parameter_list=["x"])
+
+
+@pytest.mark.parametrize("excluded", [["fc_0.w_0"], ["fc_1.w_0", "fc_1.b_0"]])
+def test_minimize_no_grad_set_parameters_get_no_update(excluded):
+    main, startup, loss = _two_layers()
+    no_grad = {main.global_block().var(excluded[0]), *excluded[1:]}  # Variables and names
+    with fluidps.program_guard(main, startup):
+        _, params_grads = optimizer.Momentum(0.1, 0.9).minimize(loss, no_grad_set=no_grad)
+    kept = [p for p in ALL_PARAMS if p not in excluded]
+    assert [p.name for p, _ in params_grads] == kept
+    assert _updated_params(main, "momentum") == kept
+    assert not any(f"{p}@GRAD" in main.global_block().vars for p in excluded)
+    assert {n for n in startup.global_block().vars if "_velocity_" in n} == {f"{p}_velocity_0" for p in kept}
+    assert _updated(main, startup, loss) == set(kept)
+
+
+def test_minimize_explicit_startup_program_receives_the_state():
+    main, startup, loss = _two_layers()
+    state = fluidps.Program()
+    # Outside any program_guard: minimize works from the loss and the startup it is given.
+    ops, _ = optimizer.Adam(0.1).minimize(loss, startup_program=state)
+    assert len(ops) == len(ALL_PARAMS)
+    created = {op.output("Out")[0] for op in state.global_block().ops}
+    expected = {"learning_rate_0"} | {
+        f"{p}_{acc}_0" for p in ALL_PARAMS for acc in ("moment1", "moment2", "beta1_pow_acc", "beta2_pow_acc")
+    }
+    assert created == expected
+    assert all(op.type == "fill_constant" for op in state.global_block().ops)
+    assert all(state.global_block().var(n).persistable for n in expected)
+    # The model's own startup program only initializes the parameters.
+    assert {op.output("Out")[0] for op in startup.global_block().ops} == set(ALL_PARAMS)
+    assert _updated(main, startup, loss, state) == set(ALL_PARAMS)
+    exe = fluidps.Executor()
+    exe.run(startup)  # without `state`, the optimizer's variables are missing
+    with pytest.raises(fluidps.ExecutionError, match="is not initialized in the scope"):
+        exe.run(main, feed={"x": np.ones((1, 3), np.float32)})

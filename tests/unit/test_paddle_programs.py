@@ -94,3 +94,40 @@ def test_clone_for_test_of_a_paddle_training_program():
     assert "adam" not in types and not any(t.endswith("_grad") for t in types)
     assert types[-1] == "reduce_mean"
     fluidps.verify(test)
+
+
+# Paddle 2.x/3.x slots and attributes for features fluidps does not implement. Paddle
+# writes them empty (or False); a program that fills one is refused, naming op and slot.
+EXTRA_SLOTS = [("reshape2", "Shape"), ("reshape2", "ShapeTensor")] + [
+    ("adam", slot) for slot in ("SkipUpdate", "Beta1Tensor", "Moment2Max", "MasterParam")
+]
+
+
+@pytest.mark.parametrize(("op_type", "slot"), EXTRA_SLOTS, ids=[f"{o}.{s}" for o, s in EXTRA_SLOTS])
+def test_filled_extra_input_slots_are_rejected(op_type, slot):
+    program = load("adam_sparse", "main.pb")
+    block = program.global_block()
+    index, op = next((i, op) for i, op in enumerate(block.ops) if op.type == op_type)
+    assert op.input(slot) == []  # as Paddle wrote it
+    block.create_var("extra_input", shape=[2], dtype="int32", persistable=True)
+    op.set_input(slot, ["extra_input"])
+    with pytest.raises(fluidps.VerifyError) as info:
+        fluidps.verify(program)
+    assert (
+        f"block 0, op #{index} ({op_type}): input '{slot}' = ['extra_input'] "
+        "asks for a feature fluidps does not implement"
+    ) in str(info.value)
+
+
+def test_quantized_ops_are_rejected():
+    program = load("adam_sparse", "main.pb")
+    block = program.global_block()
+    index, op = next((i, op) for i, op in enumerate(block.ops) if op.type == "reshape2")
+    assert op.attr("with_quant_attr") is False  # as Paddle wrote it
+    op.set_attr("with_quant_attr", True)
+    with pytest.raises(fluidps.VerifyError) as info:
+        fluidps.verify(program)
+    assert (
+        f"block 0, op #{index} (reshape2): attribute with_quant_attr=True asks for something "
+        "fluidps does not implement: quantized programs are not supported"
+    ) in str(info.value)

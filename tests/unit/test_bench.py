@@ -1,0 +1,118 @@
+"""The benchmarks run end to end in a tiny configuration and print one JSON row
+per line with the fields their docstrings promise. Speed is never asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository root, where `bench` lives
+
+SPARSE_KEYS = {
+    "workload",
+    "table_rows",
+    "rows",
+    "width",
+    "fluidps_ms",
+    "kernel_ms",
+    "numpy_add_at_ms",
+    "speedup",
+}
+SPARSE_TIMES = ("fluidps_ms", "kernel_ms", "numpy_add_at_ms", "speedup")
+
+
+def bench(module: str, *args: str) -> list[dict]:
+    """Run `python -m bench.<module> ARGS` from the repository root; its rows."""
+    result = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines, result.stderr
+    return [json.loads(line) for line in lines]  # every line is one JSON object
+
+
+def assert_sparse_rows(rows: list[dict], table_rows: int, n_rows: int, width: int) -> None:
+    assert [r["workload"] for r in rows] == ["sgd_sparse_rows", "adam_lazy_sparse_rows"]
+    for r in rows:
+        assert set(r) == SPARSE_KEYS
+        assert (r["table_rows"], r["rows"], r["width"]) == (table_rows, n_rows, width)
+        for key in SPARSE_TIMES:
+            assert isinstance(r[key], float) and r[key] > 0, (r["workload"], key, r[key])
+
+
+def test_sparse_update_bench_prints_one_row_per_workload():
+    rows = bench("sparse_update", "--table-rows", "300", "--rows", "40", "--width", "4", "--repeats", "2")
+    assert_sparse_rows(rows, 300, 40, 4)
+
+
+@pytest.mark.parametrize("with_torch", [False, True], ids=["fluidps", "torch"])
+def test_local_bench_rows(with_torch):
+    if with_torch and importlib.util.find_spec("torch") is None:
+        pytest.skip("PyTorch is not installed")
+    args = ["--steps", "2", "--repeats", "1", "--ctr-batch", "16", "--ctr-steps", "2", "--ctr-vocab", "2600"]
+    args += ["--sparse-table-rows", "300", "--sparse-rows", "40", "--sparse-repeats", "2"]
+    rows = bench("local", *args, *([] if with_torch else ["--no-torch"]))
+    assert [r["workload"] for r in rows] == [
+        "digits_mlp",
+        "digits_mlp",
+        "tiny",
+        "ctr_embedding",
+        "sgd_sparse_rows",
+        "adam_lazy_sparse_rows",
+    ]
+    training, sparse = rows[:4], rows[4:]
+    peer_keys = {"torch", "fluidps_vs_torch"} if with_torch else set()
+    for r in training:
+        assert {"workload", "unit", "fluidps", "threads", "batch", "optimizer"} | peer_keys <= set(r)
+        assert ("torch" in r) == with_torch
+        assert r["threads"] == 1
+        for key in ("fluidps", *sorted(peer_keys)):
+            assert isinstance(r[key], float) and r[key] > 0, (r["workload"], key, r[key])
+    assert [r["unit"] for r in training] == ["steps/s"] * 3 + ["samples/s"]
+    assert [r["batch"] for r in training] == [64, 128, 64, 16]
+    assert training[0]["model"] == "64-256-256-10" and training[2]["model"] == "64-10"
+    assert training[3]["table"] == "2600x8" and training[3]["fields"] == 26
+    # bench.local ends with bench.sparse_update's rows, its flags passed on.
+    assert_sparse_rows(sparse, 300, 40, 16)
+
+
+def test_distributed_bench_quick_smoke_run():
+    args = ["--quick", "--models", "digits_mlp", "--topologies", "1x1", "--modes", "sync"]
+    rows = bench("distributed", *args, "--no-torch", "--bandwidth-mib", "1")
+    note, *rest = rows
+    assert set(note) == {"note"} and "cores" in note["note"]
+    training = [r for r in rest if r["bench"] == "digits_mlp"]
+    bandwidth = [r for r in rest if r["bench"] == "bandwidth"]
+    assert len(training) + len(bandwidth) == len(rest)
+    assert [(r["mode"], r["trainers"], r["pservers"], r["impl"]) for r in training] == [
+        ("local", 1, 0, "fluidps"),
+        ("sync", 1, 1, "fluidps"),
+    ]
+    common = {"global_batch", "samples_per_s", "steps", "loss", "model", "optimizer", "processes", "cores"}
+    local, job = training
+    assert common <= set(local) and common | {"warmup_steps", "setup_s", "stats_ms", "vs_local"} <= set(job)
+    assert "stats_error" not in job  # the sync job's pserver_stats() answered and matched its steps
+    assert (local["processes"], job["processes"]) == (1, 3)
+    for r in training:
+        assert r["global_batch"] == 128 and r["steps"] > 0
+        assert r["samples_per_s"] > 0 and r["loss"] > 0
+    assert job["setup_s"] > 0 and job["vs_local"] > 0
+    assert sorted((r["op"], r["path"]) for r in bandwidth) == [
+        ("pull", "fluidps exe.scope"),
+        ("pull", "pyzmq copy=False"),
+        ("push", "fluidps exe.scope"),
+        ("push", "pyzmq copy=False"),
+    ]
+    for r in bandwidth:
+        assert {"bytes", "mib_per_s", "ms", "repeats", "to", "processes", "cores"} <= set(r)
+        assert r["bytes"] == 1 << 20 and r["mib_per_s"] > 0 and r["ms"] > 0
