@@ -12,6 +12,9 @@ with fluidps.program_guard(main, startup):
 from fluidps import initializer, io, layers, optimizer
 from fluidps.errors import (
     BuilderError,
+    CheckpointError,
+    DatasetError,
+    EOFException,
     Error,
     ExecutionError,
     FeedError,
@@ -42,9 +45,12 @@ __all__ = [
     "AttrType",
     "Block",
     "BuilderError",
+    "CheckpointError",
+    "DatasetError",
     "DistributeTranspiler",
     "DistributeTranspilerConfig",
     "DistributedPlan",
+    "EOFException",
     "Error",
     "ExecutionError",
     "Executor",

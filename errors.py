@@ -90,3 +90,8 @@ class CheckpointError(Error, ValueError):
 class EOFException(Error):
     """A reader has no more data: every pass over its dataset is done. As in Fluid,
     training loops end by catching it."""
+
+
+class NoDataYet(Error):
+    """A reader driven step by step has no batch for this trainer now: the job's other
+    trainers are finishing the pass. The step is skipped; the next one asks again."""

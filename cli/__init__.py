@@ -1,4 +1,5 @@
-"""The `fluidps` command line: inspect, dot, transpile, launch, serve, keys, data.
+"""The `fluidps` command line: inspect, dot, transpile, launch, serve, keys, data,
+checkpoint.
 
 Every command turns bad input into one line on stderr and exit status 2;
 a check that finds problems exits with 1.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from fluidps.cli.checkpoint_cmd import checkpoint
 from fluidps.cli.data_cmd import data
 from fluidps.cli.launch_cmd import launch
 from fluidps.cli.program_cmds import dot, inspect
@@ -28,3 +30,4 @@ main.add_command(launch)
 main.add_command(serve)
 main.add_command(keys)
 main.add_command(data)
+main.add_command(checkpoint)

@@ -8,6 +8,8 @@ import click
 
 from fluidps.cli.common import fail
 from fluidps.errors import Error
+from fluidps.executor.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
+from fluidps.executor.launcher import DatasetJob
 from fluidps.executor.launcher import launch as run_job
 from fluidps.transpiler.config import MODES
 
@@ -46,6 +48,26 @@ class _OneLineErrors(click.Command):
     show_default=True,
     help="Seconds the pservers get to exit after the trainers finished, before they are stopped.",
 )
+@click.option(
+    "--dataset",
+    type=click.Path(file_okay=False),
+    help="A dataset directory (fluidps data split) the trainers read through a coordinator; "
+    "makes the job fault tolerant.",
+)
+@click.option("--task-timeout", type=click.FloatRange(min=0.1), default=DEFAULT_TASK_TIMEOUT, show_default=True,
+              help="With --dataset: seconds before an unrenewed task goes to another trainer.")  # fmt: skip
+@click.option("--max-task-failures", type=click.IntRange(min=0), default=DEFAULT_MAX_FAILURES, show_default=True,
+              help="With --dataset: failures a task may have before it is discarded.")  # fmt: skip
+@click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
+              help="With --dataset: times each process is started again after dying.")  # fmt: skip
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False),
+              help="With --dataset: where pservers checkpoint (default: LOG_DIR/checkpoints or a temporary one).")  # fmt: skip
+@click.option("--checkpoint-every-steps", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --dataset: pservers checkpoint every N steps (0: not by steps).")  # fmt: skip
+@click.option("--checkpoint-every-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="With --dataset: pservers checkpoint every S seconds (0: not by time).")  # fmt: skip
+@click.option("--progress/--no-progress", default=None,
+              help="With --dataset: show a progress bar (default: when stderr is a terminal).")  # fmt: skip
 @click.argument("script", metavar="SCRIPT.py")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 def launch(
@@ -56,6 +78,14 @@ def launch(
     start_port: int | None,
     log_dir: str | None,
     grace: float,
+    dataset: str | None,
+    task_timeout: float,
+    max_task_failures: int,
+    max_restarts: int,
+    checkpoint_dir: str | None,
+    checkpoint_every_steps: int,
+    checkpoint_every_seconds: float,
+    progress: bool | None,
     script: str,
     script_args: tuple[str, ...],
 ) -> None:
@@ -66,8 +96,26 @@ def launch(
     FLUIDPS_MODE; read it with fluidps.role_from_env(). Output lines are prefixed with
     "[pserver.0] ", "[trainer.1] ", .... The first process to fail stops the job and
     its status is the launcher's; Ctrl-C stops the job with status 130.
+
+    With --dataset, a coordinator hands the trainers the dataset's tasks
+    (FLUIDPS_DATASET, FLUIDPS_COORDINATOR; fluidps.layers.dataset_reader reads
+    them), pservers checkpoint, and a process that dies is started again: a
+    pserver from its last checkpoint, the coordinator from its snapshot, a trainer
+    rejoining while its task goes to another. The job ends when every pass is done.
     """
     try:
+        job = None
+        if dataset is not None:
+            job = DatasetJob(
+                dataset,
+                task_timeout,
+                max_task_failures,
+                max_restarts,
+                checkpoint_dir,
+                checkpoint_every_steps,
+                checkpoint_every_seconds,
+                progress,
+            )
         status = run_job(
             script,
             script_args,
@@ -78,6 +126,7 @@ def launch(
             start_port=start_port,
             log_dir=log_dir,
             grace=grace,
+            dataset_job=job,
         )
     except Error as e:
         fail(str(e))

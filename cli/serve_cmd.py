@@ -1,4 +1,5 @@
-"""`fluidps serve`: an executor server for a RemoteExecutor, or one pserver; `fluidps keys gen`."""
+"""`fluidps serve`: an executor server for a RemoteExecutor, one pserver, or a job's coordinator;
+`fluidps keys gen`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import click
 
 from fluidps.cli.common import fail, load_program
 from fluidps.errors import Error
+from fluidps.executor.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT, Coordinator
 from fluidps.executor.executor import Executor
 from fluidps.executor.rpc import RpcSettings
 from fluidps.executor.runtime import settings_from_env
@@ -39,10 +41,11 @@ def _settings(keys: str | None, insecure: bool, peer_timeout: float | None) -> R
 @click.option("--name", default=None, help="How logs and errors name this server.")
 @click.option(
     "--role",
-    type=click.Choice(["executor", "pserver"]),
+    type=click.Choice(["executor", "pserver", "coordinator"]),
     default="executor",
     show_default=True,
-    help="executor: serve a RemoteExecutor; pserver: run --program's listen_and_serv loop.",
+    help="executor: serve a RemoteExecutor; pserver: run --program's listen_and_serv loop; "
+    "coordinator: hand out dataset tasks to trainers.",
 )
 @click.option("--program", "program_file", metavar="MAIN.pb", help="--role pserver: its main program.")
 @click.option("--startup", "startup_file", metavar="STARTUP.pb", help="--role pserver: its startup program.")
@@ -53,6 +56,25 @@ def _settings(keys: str | None, insecure: bool, peer_timeout: float | None) -> R
 @click.option(
     "--peer-timeout", type=click.FloatRange(min=0.1), help="Seconds of silence that mean a peer is dead."
 )
+@click.option(
+    "--snapshot",
+    type=click.Path(dir_okay=False),
+    help="--role coordinator: its state file; it resumes from it when it exists.",
+)
+@click.option(
+    "--task-timeout",
+    type=click.FloatRange(min=0.1),
+    default=DEFAULT_TASK_TIMEOUT,
+    show_default=True,
+    help="--role coordinator: seconds before an unrenewed task goes to another trainer.",
+)
+@click.option(
+    "--max-task-failures",
+    type=click.IntRange(min=0),
+    default=DEFAULT_MAX_FAILURES,
+    show_default=True,
+    help="--role coordinator: failures a task may have before it is discarded.",
+)
 def serve(
     endpoint: str,
     name: str | None,
@@ -62,14 +84,19 @@ def serve(
     keys: str | None,
     insecure: bool,
     peer_timeout: float | None,
+    snapshot: str | None,
+    task_timeout: float,
+    max_task_failures: int,
 ) -> None:
     """Serve programs until told to stop (SIGTERM or a client's SHUTDOWN).
 
     As an executor server (the default), a RemoteExecutor sends it programs to
     run: a pserver's or a trainer's. With --role pserver it runs one pserver's
     startup and main programs, as written by `fluidps transpile`, until every
-    trainer is done. Either way it prints one line "NAME ready on ADDRESS"
-    once it listens.
+    trainer is done. With --role coordinator it hands out the tasks of the
+    dataset the trainers read (`fluidps.layers.dataset_reader`), keeping its
+    state in --snapshot. Each prints one line "NAME ready on ADDRESS" once it
+    listens.
     """
     try:
         settings = _settings(keys, insecure, peer_timeout)
@@ -78,7 +105,12 @@ def serve(
             return
         if program_file or startup_file:
             fail("--program and --startup go with --role pserver")
-        server = ExecutorServer(endpoint, settings, name)
+        if role == "coordinator":
+            server = Coordinator(
+                endpoint, settings, snapshot, task_timeout, max_task_failures, name or "coordinator"
+            )
+        else:
+            server = ExecutorServer(endpoint, settings, name)
     except Error as e:
         fail(str(e))
 

@@ -3,6 +3,10 @@
     fluidps launch --pservers 2 --trainers 2 examples/distributed_digits.py
     fluidps launch --pservers 2 --trainers 2 --mode async examples/distributed_digits.py --epochs 10
 
+    # Fault tolerant: the trainers read a sharded dataset through a coordinator.
+    python examples/distributed_digits.py --write-dataset digits_data
+    fluidps launch --dataset digits_data --pservers 2 --trainers 2 examples/distributed_digits.py
+
 `fluidps launch` starts this script once per pserver and once per trainer and
 tells each process its role through Paddle's environment variables, which
 `fluidps.role_from_env()` reads. Every process builds the same model and
@@ -18,6 +22,12 @@ Each step, every trainer draws the same global batch of trainers x batch-size
 examples and takes its own rows of it: trainer i gets rows i*B .. (i+1)*B - 1.
 In sync mode the pservers average the trainers' gradients, so a step is the
 step local training would take on the whole global batch.
+
+With `--dataset` (FLUIDPS_DATASET), the trainers are not fed: a reader bound
+to the data variables (fluidps.layers.dataset_reader) takes tasks of the
+dataset from the job's coordinator, `--epochs` passes over it, until it
+raises EOFException. Any process may then die: the launcher starts it again
+and the job still finishes, every task counted once.
 """
 
 from __future__ import annotations
@@ -74,6 +84,59 @@ def run_pserver(role: fluidps.RoleInfo, t, out: Path | None) -> None:
         stats = exe.runtime.servers[0].stats()  # clocks, SSP grants, sparse rows received
         held = [s.name for s in t.plan.slices if s.endpoint == role.current_endpoint]
         (out / f"pserver.{role.pserver_index}.json").write_text(json.dumps(stats | {"slices": held}))
+
+
+def write_dataset(directory: str, seed: int) -> None:
+    """The training split of the digits as a sharded dataset (the test split stays out)."""
+    x_train, _, y_train, _ = load_data(seed)
+    dataset = fluidps.io.Dataset.write(directory, {"image": x_train, "label": y_train}, records_per_shard=160)
+    print(f"wrote {dataset.describe()}")
+
+
+def add_reader(model, dataset: str, args) -> None:
+    """Bind a reader of `dataset` to the model's data variables (after its test program was cloned)."""
+    main, startup = model[0], model[1]
+    block = main.global_block()
+    with fluidps.program_guard(main, startup):
+        fluidps.layers.dataset_reader(
+            dataset,
+            [block.var("image"), block.var("label")],
+            args.batch_size,
+            passes=args.epochs,
+            seed=args.seed,
+        )
+
+
+def run_dataset_trainer(role: fluidps.RoleInfo, t, model, args) -> None:
+    """Train on whatever tasks the coordinator hands out, until every pass is done."""
+    _, _, test_program, loss, accuracy = model
+    _, x_test, _, y_test = load_data(args.seed)
+    program = t.get_trainer_program()
+    exe = fluidps.Executor()
+    steps = 0
+    try:
+        exe.run(
+            t.get_trainer_startup_program()
+        )  # pull the parameters (a restarted trainer: the current ones)
+        while True:
+            try:
+                (value,) = exe.run(program, fetch_list=[loss])
+            except fluidps.EOFException:
+                break
+            steps += 1
+            if steps % 50 == 0:
+                print(f"step {steps}: loss {float(value):.4f}", flush=True)
+        result = {"trainer_id": role.trainer_id, "mode": role.mode, "steps": steps}
+        if role.trainer_id == 0:
+            exe.run(t.get_trainer_startup_program())  # the final parameters, every trainer's updates in
+            (acc,) = exe.run(test_program, feed={"image": x_test, "label": y_test}, fetch_list=[accuracy])
+            result["test_accuracy"] = float(acc)
+            print(f"test accuracy {float(acc):.4f} after {steps} steps of this trainer", flush=True)
+    finally:
+        for problem in exe.close():
+            print(f"warning: {problem}", file=sys.stderr, flush=True)
+    if args.out is not None:
+        (args.out / f"trainer.{role.trainer_id}.json").write_text(json.dumps(result))
 
 
 def run_trainer(role: fluidps.RoleInfo, t, model, args) -> None:
@@ -136,13 +199,23 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, help="write each process's results (JSON, npz) into this directory"
     )
+    parser.add_argument(
+        "--write-dataset", metavar="DIR", help="write the training split as a dataset into DIR and exit"
+    )
     args = parser.parse_args()
+    if args.write_dataset:
+        write_dataset(args.write_dataset, args.seed)
+        return
 
     role = fluidps.role_from_env()
     model = build(learning_rate=args.lr, seed=args.seed + 1)
+    if role.dataset:
+        add_reader(model, role.dataset, args)
     t = transpile(role, model[0], model[1], args.staleness)
     if role.is_pserver:
         run_pserver(role, t, args.out)
+    elif role.dataset:
+        run_dataset_trainer(role, t, model, args)
     else:
         run_trainer(role, t, model, args)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from fluidps.errors import Error, ExecutionError
+from fluidps.errors import EOFException, Error, ExecutionError, NoDataYet
 from fluidps.ir.program import Block
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops import REGISTRY
@@ -48,6 +48,8 @@ class BlockRunner:
         try:
             for index, runner in enumerate(self.runners):  # noqa: B007 (index names the failing op)
                 runner(env)
+        except (EOFException, NoDataYet):
+            raise  # not failures: a reader's end of data, which training loops catch
         except Exception as e:
             raise ExecutionError(self._failure(index, env, e)) from e
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from fluidps.errors import ExecutionError, FeedError, ProgramError
+from fluidps.errors import EOFException, ExecutionError, FeedError, NoDataYet, ProgramError
 from fluidps.executor.block_runner import BlockRunner
 from fluidps.executor.rpc import RpcSettings
 from fluidps.executor.runtime import Runtime
@@ -31,6 +31,7 @@ FetchTarget = Variable | str
 # Ops that talk to other processes: a program using them needs the Runtime.
 COMMUNICATION_OPS = frozenset(
     {"send", "recv", "send_barrier", "fetch_barrier", "listen_and_serv", "enqueue", "dequeue"}
+    | {"create_dataset_reader", "read"}  # readers get their tasks through the runtime
 )
 _HOLDERS = (FEED_VAR_NAME, FETCH_VAR_NAME)
 
@@ -86,6 +87,7 @@ class PreparedProgram:
         op_types = {op.type for b in program.blocks for op in b.ops}
         self.needs_runtime = bool(COMMUNICATION_OPS & op_types)
         self.counts_steps = "send" in op_types  # each run of a trainer program is one step
+        self.readers = [op.input("Reader")[0] for op in block.ops if op.type == "read"]
         self.persistables = [n for n, v in block.vars.items() if v.persistable and n not in _HOLDERS]
         self.fetch_names = list(fetch_names)
 
@@ -160,7 +162,14 @@ class PreparedProgram:
             env[FEED_VAR_NAME] = feeds
         if self.fetch_ops:
             env[FETCH_VAR_NAME] = [None] * len(self.fetch_ops)
-        self.runner.run(env)
+        try:
+            self.runner.run(env)
+        except (EOFException, NoDataYet):
+            raise
+        except Exception as e:
+            for name in self.readers:  # the task whose batch this step used failed with it
+                env[name].fail_current(str(e))
+            raise
         # Persistable values, including those sub-blocks wrote, go back to their scope.
         for name in self.persistables:
             if name in env:
@@ -168,6 +177,8 @@ class PreparedProgram:
                 owner._vars[name] = env[name]
         names = self.fetch_names or ([] if not self.fetch_ops else None)
         results = env[FETCH_VAR_NAME] if names is None else [self._fetch(env, n) for n in names]
+        for name in self.readers:
+            env[name].observe(results)  # the step's loss, reported with its task
         return [_to_numpy(v) if return_numpy else v for v in results]
 
     def _fetch(self, env: dict[str, Any], name: str) -> Any:

@@ -3,34 +3,52 @@
 Sync mode: trainer i's gradient of a slice lands in `<grad>.trainer_<i>`;
 when every live trainer has sent its send_barrier for the step, the server
 runs the learning-rate block and every optimize block (which sum the copies
-and scale by 1/trainers), counts the step done, and answers the GETs waiting
-for it. Async mode: each arriving gradient runs its receive block (an
-enqueue); one worker thread per optimize block dequeues and applies
-gradients as they come, holding that slice's lock, and GETs copy under the
-lock. SSP: async, but a GET for step k waits until the slowest live
-trainer's clock (its last step sent) is at least k - staleness; every clock
-change and every grant is logged. The loop ends when every trainer has sent
-COMPLETE; it gives up, naming the silent trainers, after `idle_timeout`.
+and scale by 1/trainers: trainers that sent nothing this step, paused or
+done, count as the mean of those that did), counts the step done, and
+answers each trainer's GET once the step holding its barrier is done.
+Async mode: each arriving gradient runs its receive block (an enqueue); one
+worker thread per optimize block dequeues and applies gradients as they
+come, holding that slice's lock, and GETs copy under the lock. SSP: async,
+but a GET waits until the trainer's clock is at most `staleness` steps ahead
+of the slowest live trainer's; every clock change and every grant is logged.
+
+Trainers are tracked by `Membership`: a trainer silent (no message, no
+keepalive) for the peer timeout is evicted in an elastic job and fails the job,
+by name, otherwise. The loop ends when every trainer is done or evicted.
+
+Checkpoints (`checkpoint_dir`, from the program or FLUIDPS_CHECKPOINT_DIR):
+every N steps or seconds, on a CHECKPOINT request, at the end, and on
+SIGTERM; at the start the newest ones are restored, resharded if the job's
+pservers changed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from fluidps.errors import Error, ExecutionError, TransportError
+from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
 from fluidps.executor.block_runner import BlockRunner, LayeredEnv
+from fluidps.executor.membership import DONE, Membership
 from fluidps.executor.rpc import Request, RpcServer
 from fluidps.executor.wire import Kind, Message
+from fluidps.io import checkpoints as ckpt
 from fluidps.ir.types import DISTRIBUTED_MODES
 from fluidps.ops.kernel import RUNTIME_KEY
 from fluidps.ops.selected_rows import SelectedRows
 
 IDLE_TIMEOUT = 3600.0  # seconds without any message while trainers are live
+# A trainer not heard from at all since the loop started gets this long to show up
+# (it may still be importing and transpiling) before it counts as missing.
+FIRST_CONTACT_TIMEOUT = 120.0
+_FROM_TRAINERS = (Kind.SEND, Kind.SEND_BARRIER, Kind.FETCH_BARRIER, Kind.COMPLETE, Kind.PAUSE)
 
 
 def _pairs(values: list[str]) -> dict[str, int]:
@@ -54,13 +72,33 @@ def _mean(values: list[Any]) -> Any:
     )
 
 
+class CheckpointPolicy:
+    """Where and how often a pserver checkpoints: the listen_and_serv attributes, which
+    FLUIDPS_CHECKPOINT_DIR / _EVERY_STEPS / _EVERY_SECONDS / _KEEP override."""
+
+    def __init__(self, op: Any, environ: dict[str, str] | None = None):
+        env = os.environ if environ is None else environ
+        self.directory = env.get("FLUIDPS_CHECKPOINT_DIR") or op.attr("checkpoint_dir")
+        self.every_steps = int(env.get("FLUIDPS_CHECKPOINT_EVERY_STEPS", op.attr("checkpoint_every_steps")))
+        self.every_seconds = float(
+            env.get("FLUIDPS_CHECKPOINT_EVERY_SECONDS", op.attr("checkpoint_every_seconds"))
+        )
+        self.keep = int(env.get("FLUIDPS_CHECKPOINT_KEEP", op.attr("checkpoint_keep")))
+        if self.every_steps < 0 or self.every_seconds < 0 or self.keep < 1:
+            raise CheckpointError(
+                f"checkpoint every {self.every_steps} steps / {self.every_seconds} s, keeping {self.keep}: "
+                "intervals must be >= 0 and keep >= 1"
+            )
+
+
 class ParameterServer:
     def __init__(self, op: Any, env: dict[str, Any], runtime: Any):
         self.env = env
         self.runtime = runtime
         program = op.block.program
         self.endpoint = op.attr("endpoint")
-        self.name = f"pserver {op.attr('pserver_id')} ({self.endpoint})"
+        self.pserver_id = op.attr("pserver_id")
+        self.name = f"pserver {self.pserver_id} ({self.endpoint})"
         self.mode = DISTRIBUTED_MODES[op.attr("distributed_mode")]
         self.fanin = op.attr("Fanin")
         self.staleness = op.attr("staleness")
@@ -73,20 +111,41 @@ class ParameterServer:
         lr = op.attr("lr_decay_block_id")
         self.lr_block = BlockRunner(program.block(lr)) if lr >= 0 else None
         self.served = {n for n, v in program.global_block().vars.items() if v.persistable}
-        self.live = set(range(self.fanin))
+        self.members = Membership(self.fanin, elastic=runtime.settings.elastic)
         self.arrived: set[int] = set()  # sync: send barriers of the current step
+        self.awaiting: dict[int, int] = {}  # sync: the step each trainer's next GET waits for
         self.completed = 0  # sync: optimization steps done
-        self.clocks = dict.fromkeys(range(self.fanin), 0)  # SSP / async: last step each trainer sent
         self.clock_log: list[dict[str, Any]] = []
-        self.max_step = 0  # async / SSP: the furthest step any trainer has sent
+        self.max_step = 0  # async / SSP: the furthest clock
         self.received_rows: dict[str, list[int]] = {}  # sparse gradients: which rows arrived
         self.deferred: list[Request] = []
+        self.log_lines: list[str] = []
         self.last_heard = time.monotonic()
         self.locks = {i: threading.Lock() for i in self.blocks}
         self.lock_of = {name: self.locks[i] for i in self.blocks for name in self.blocks[i].writes}
+        # Checkpoints: which rows of which original variable each persistable here is.
+        names, origins = op.attr("checkpoint_vars"), op.attr("checkpoint_origins")
+        offsets = op.attr("checkpoint_offsets")
+        self.placements = {
+            n: (o, None if off < 0 else off) for n, o, off in zip(names, origins, offsets, strict=True)
+        }
+        self.policy = CheckpointPolicy(op)
+        self.store = (
+            ckpt.CheckpointStore(self.policy.directory, self.pserver_id, self.policy.keep)
+            if self.policy.directory
+            else None
+        )
+        self.checkpoints: list[dict[str, Any]] = []
+        self._last_checkpoint = (0, time.monotonic())  # (step, when)
+        self._stop_reason: str | None = None
         self._stop = threading.Event()
         self._failure: BaseException | None = None
         self.server: RpcServer | None = None
+        self._started = time.monotonic()
+
+    def log(self, message: str) -> None:
+        self.log_lines.append(message)
+        print(f"{self.name}: {message}", flush=True)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -94,54 +153,88 @@ class ParameterServer:
         self.server = RpcServer(
             self.runtime.context_for(self.endpoint), self.endpoint, self.name, self.runtime.settings
         )
-        workers = (
-            [] if self.mode == "sync" else [self._start_worker(g, b) for g, b in self.grad_block.items()]
-        )
+        previous_handler = self._catch_sigterm()
+        workers: list[threading.Thread] = []
         try:
-            while self.live:
+            self._restore()
+            if self.mode != "sync":
+                workers = [self._start_worker(g, b) for g, b in self.grad_block.items()]
+            while self.members.active and self._stop_reason is None:
                 for request in self.server.receive(0.05):
                     self.last_heard = time.monotonic()
                     self._handle(request)
+                self._check_trainers()
                 self._answer_deferred()
+                self._maybe_checkpoint()
                 if self._failure is not None:
                     raise ExecutionError(
                         f"{self.name}: an optimize block failed: {self._failure}"
                     ) from self._failure
                 if time.monotonic() - self.last_heard > IDLE_TIMEOUT:
                     raise TransportError(
-                        f"{self.name}: no message for {IDLE_TIMEOUT:.0f} s from trainers {sorted(self.live)}"
+                        f"{self.name}: no message for {IDLE_TIMEOUT:.0f} s from trainers {sorted(self.members.active)}"
                     )
+            self._stop.set()
+            for worker in workers:
+                worker.join(timeout=10)
+            if self.store is not None:
+                self._checkpoint(self._stop_reason or "end")
         finally:
             self._stop.set()
             for worker in workers:
                 worker.join(timeout=10)
             self.server.close()
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+        if self._stop_reason == "SIGTERM" and previous_handler is not None:
+            os.kill(os.getpid(), signal.SIGTERM)  # die of it, as the sender expects, now that it is saved
+
+    def stop(self, reason: str) -> None:
+        """Make the loop end (checkpointing first when it has a directory); thread-safe."""
+        self._stop_reason = reason
+
+    def _catch_sigterm(self) -> Any:
+        """In a process's main thread with checkpoints on, SIGTERM saves one before dying."""
+        if self.store is None or threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            self._stop_reason = "SIGTERM"
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        return signal.SIG_DFL if previous in (None, signal.SIG_IGN) else previous
 
     def stats(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "completed_steps": self.completed,
-            "clocks": {str(t): c for t, c in self.clocks.items()},
+            "clocks": {str(t): m.clock for t, m in self.members.members.items()},
+            "trainers": {str(t): m.state for t, m in self.members.members.items()},
             "clock_log": self.clock_log,
-            "live_trainers": sorted(self.live),
+            "live_trainers": sorted(self.members.live),
             "rejected": self.server.rejected if self.server else 0,
             "received_rows": self.received_rows,
+            "checkpoints": self.checkpoints,
+            "log": self.log_lines + self.members.events,
         }
+
+    # -- requests ---------------------------------------------------------------------------
 
     def _handle(self, request: Request) -> None:
         msg = request.msg
         # GET and SET also come from observers (trainer id -1): a RemoteExecutor saving or loading.
-        from_trainer = msg.kind in (Kind.SEND, Kind.SEND_BARRIER, Kind.FETCH_BARRIER, Kind.COMPLETE)
-        observer = msg.kind in (Kind.GET, Kind.SET) and msg.trainer_id == -1
-        if (
-            (from_trainer or msg.kind == Kind.GET)
-            and not observer
-            and msg.trainer_id not in range(self.fanin)
-        ):
-            self.server.error(
-                request, f"{self.name} serves trainers 0..{self.fanin - 1}, not {msg.trainer_id}"
-            )
-            return
+        observer = msg.kind in (Kind.GET, Kind.SET, Kind.STATS, Kind.CHECKPOINT) and msg.trainer_id == -1
+        if (msg.kind in _FROM_TRAINERS or msg.kind == Kind.GET) and not observer:
+            if msg.trainer_id not in range(self.fanin):
+                self.server.error(
+                    request, f"{self.name} serves trainers 0..{self.fanin - 1}, not {msg.trainer_id}"
+                )
+                return
+            try:
+                self._admit(msg)
+            except TransportError as e:
+                self.server.error(request, f"{self.name}: {e}")
+                return
         handler = {
             Kind.HELLO: lambda r: self.server.reply(r),
             Kind.SEND: self._on_send,
@@ -149,8 +242,10 @@ class ParameterServer:
             Kind.SEND_BARRIER: self._on_send_barrier,
             Kind.FETCH_BARRIER: lambda r: self.server.reply(r),
             Kind.COMPLETE: self._on_complete,
+            Kind.PAUSE: self._on_pause,
             Kind.SET: self._on_set,
             Kind.STATS: lambda r: self.server.reply(r, Message(Kind.VALUES, text=json.dumps(self.stats()))),
+            Kind.CHECKPOINT: self._on_checkpoint,
         }.get(msg.kind)
         if handler is None:
             self.server.error(request, f"{self.name} does not handle {msg.kind_name} messages")
@@ -159,6 +254,21 @@ class ParameterServer:
             handler(request)
         except Error as e:
             self.server.error(request, f"{self.name}: {e}")
+
+    def _admit(self, msg: Message) -> None:
+        trainer = msg.trainer_id
+        before = self.members.members[trainer].sender
+        self.members.admit(trainer, msg.sender)
+        member = self.members.members[trainer]
+        if before and member.sender != before:  # a new incarnation replaced an old one
+            self.log(self.members.events[-1])
+            self.arrived.discard(trainer)
+            self.awaiting.pop(trainer, None)
+            self.deferred = [r for r in self.deferred if r.msg.trainer_id != trainer]
+        if member.state == DONE and msg.kind != Kind.COMPLETE:
+            raise TransportError(f"trainer {trainer} already said it is done")
+        if msg.kind in (Kind.SEND, Kind.SEND_BARRIER):
+            self.members.resume(trainer)
 
     # -- gradients ------------------------------------------------------------------------
 
@@ -175,39 +285,83 @@ class ParameterServer:
                 self.env[f"{grad}.trainer_{msg.trainer_id}"] = value
             else:
                 self.blocks[self.queue_block[grad]].run({grad: value, RUNTIME_KEY: self.runtime})
-        if self.mode != "sync" and msg.step > self.clocks[msg.trainer_id]:
-            self.clocks[msg.trainer_id] = msg.step
+        if self.mode != "sync" and self.members.tick(msg.trainer_id, msg.step):
+            clock = self.members.clock(msg.trainer_id)
             self.clock_log.append(
-                {"t": time.monotonic(), "event": "clock", "trainer": msg.trainer_id, "step": msg.step}
+                {"t": time.monotonic(), "event": "clock", "trainer": msg.trainer_id, "step": clock}
             )
-            if msg.step > self.max_step and self.lr_block is not None:
-                # Without global steps, the schedule advances with the furthest trainer.
-                self.max_step = msg.step
-                self.lr_block.run(self.env)
+            if clock > self.max_step:
+                self.max_step = clock
+                if self.lr_block is not None:
+                    # Without global steps, the schedule advances with the furthest trainer.
+                    self.lr_block.run(self.env)
         self.server.reply(request)
 
     def _on_send_barrier(self, request: Request) -> None:
-        self.arrived.add(request.msg.trainer_id)
+        trainer = request.msg.trainer_id
+        self.arrived.add(trainer)
+        self.awaiting[trainer] = self.completed + 1
         self.server.reply(request)
         self._maybe_optimize()
 
     def _maybe_optimize(self) -> None:
-        if self.mode != "sync" or not self.arrived or not self.live <= self.arrived:
+        if self.mode != "sync" or not self.arrived or not self.members.live <= self.arrived:
             return
-        finished = set(range(self.fanin)) - self.live
-        if finished:
-            # Trainers that are done contribute the mean of the live ones, so the
-            # optimize blocks' sum / trainers stays the live trainers' mean.
+        missing = set(range(self.fanin)) - self.arrived
+        if missing:
+            # Trainers that sent nothing this step (paused, done, evicted) count as the mean
+            # of those that did, so the optimize blocks' sum / trainers is their mean.
             for grad in self.grad_block:
-                live = [self.env[f"{grad}.trainer_{t}"] for t in sorted(self.live)]
-                for t in finished:
-                    self.env[f"{grad}.trainer_{t}"] = _mean(live)
+                sent = [self.env[f"{grad}.trainer_{t}"] for t in sorted(self.arrived)]
+                mean = _mean(sent)
+                for t in missing:
+                    self.env[f"{grad}.trainer_{t}"] = mean
         if self.lr_block is not None:
             self.lr_block.run(self.env)
         for block in sorted(self.blocks):
             self.blocks[block].run(self.env)
         self.completed += 1
         self.arrived.clear()
+
+    # -- trainers coming and going ------------------------------------------------------------
+
+    def _on_pause(self, request: Request) -> None:
+        self.members.pause(request.msg.trainer_id)
+        self.server.reply(request)
+        self._maybe_optimize()
+
+    def _on_complete(self, request: Request) -> None:
+        self.members.complete(request.msg.trainer_id)
+        self.server.reply(request)
+        self._maybe_optimize()
+
+    def _check_trainers(self) -> None:
+        """Evict (elastic) or fail on trainers silent for longer than the peer timeout
+        (paused ones too: a trainer waiting for a task keeps sending heartbeats)."""
+        now = time.monotonic()
+        timeout = self.runtime.settings.peer_timeout
+        for trainer in sorted(self.members.active):
+            member = self.members.members[trainer]
+            if member.sender:
+                heard = self.server.heard.get((trainer, member.sender), self._started)
+                limit = timeout
+            else:
+                heard, limit = self._started, max(timeout, FIRST_CONTACT_TIMEOUT)
+            silence = now - heard
+            if silence <= limit:
+                continue
+            why = f"not heard from for {silence:.1f} s (it is down, hung or cut off)"
+            self.members.lose(trainer, why)
+            if not self.members.elastic:
+                error = f"{self.name}: trainer {trainer} was {why}; the job cannot go on without it"
+                for waiting in self.deferred:
+                    self.server.error(waiting, error)
+                self.deferred = []
+                raise TransportError(error)
+            self.log(f"trainer {trainer} evicted: {why}; its gradients of this step are dropped")
+            self.arrived.discard(trainer)
+            self.deferred = [r for r in self.deferred if r.msg.trainer_id != trainer]
+            self._maybe_optimize()
 
     # -- parameters -----------------------------------------------------------------------
 
@@ -222,11 +376,13 @@ class ParameterServer:
             self.deferred.append(request)
 
     def _may_answer(self, msg: Message) -> bool:
+        if msg.trainer_id < 0:
+            return True  # an observer
         if self.mode == "sync":
-            return self.completed >= msg.step
+            return self.completed >= self.awaiting.get(msg.trainer_id, 0)
         if self.mode == "ssp":
-            slowest = min((self.clocks[t] for t in self.live), default=msg.step)
-            return msg.step - slowest <= self.staleness
+            slowest = self.members.slowest()
+            return slowest is None or self.members.clock(msg.trainer_id) - slowest <= self.staleness
         return True
 
     def _answer_get(self, request: Request) -> None:
@@ -237,17 +393,17 @@ class ParameterServer:
                 values[name] = self.env[name]  # nothing changes it until every trainer has fetched
             else:
                 lock = self.lock_of.get(name)
-                with lock if lock is not None else _NoLock():
+                with lock if lock is not None else contextlib.nullcontext():
                     values[name] = _snapshot(self.env[name])
-        if self.mode == "ssp":
-            slowest = min((self.clocks[t] for t in self.live), default=msg.step)
+        if self.mode == "ssp" and msg.trainer_id >= 0:
+            slowest = self.members.slowest()
             self.clock_log.append(
                 {
                     "t": time.monotonic(),
                     "event": "grant",
                     "trainer": msg.trainer_id,
-                    "step": msg.step,
-                    "slowest": slowest,
+                    "step": self.members.clock(msg.trainer_id),
+                    "slowest": slowest if slowest is not None else self.members.clock(msg.trainer_id),
                 }
             )
         self.server.reply(request, Message(Kind.VALUES, tensors=values))
@@ -274,14 +430,83 @@ class ParameterServer:
                 )
         for name, value in request.msg.tensors.items():
             lock = self.lock_of.get(name)
-            with lock if lock is not None else _NoLock():
+            with lock if lock is not None else contextlib.nullcontext():
                 self.env[name] = np.array(value, copy=True)
         self.server.reply(request)
 
-    def _on_complete(self, request: Request) -> None:
-        self.live.discard(request.msg.trainer_id)
-        self.server.reply(request)
-        self._maybe_optimize()
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _steps(self) -> int:
+        return self.completed if self.mode == "sync" else self.max_step
+
+    def _maybe_checkpoint(self) -> None:
+        if self.store is None:
+            return
+        last_step, last_time = self._last_checkpoint
+        steps, policy = self._steps(), self.policy
+        if (policy.every_steps and steps - last_step >= policy.every_steps) or (
+            policy.every_seconds
+            and time.monotonic() - last_time >= policy.every_seconds
+            and steps > last_step
+        ):
+            self._checkpoint("periodic")
+
+    def _checkpoint(self, reason: str) -> ckpt.Checkpoint:
+        if self.store is None:
+            raise CheckpointError(
+                f"{self.name} has no checkpoint directory: set DistributeTranspilerConfig(checkpoint_dir=...) "
+                "or FLUIDPS_CHECKPOINT_DIR"
+            )
+        started = time.monotonic()
+        values = {}
+        for name in self.placements:
+            lock = self.lock_of.get(name)
+            with lock if lock is not None else contextlib.nullcontext():
+                values[name] = np.array(self.env[name], copy=True)
+        saved = self.store.save(values, self.placements, self._steps(), reason)
+        self._last_checkpoint = (self._steps(), time.monotonic())
+        self.checkpoints.append(ckpt.describe(saved))
+        self.log(
+            f"checkpoint {saved.count} ({reason}, step {saved.step}, {saved.data_bytes:,} bytes) written to "
+            f"{saved.data_path} in {1e3 * (time.monotonic() - started):.0f} ms"
+        )
+        return saved
+
+    def _on_checkpoint(self, request: Request) -> None:
+        saved = self._checkpoint("requested")
+        text = json.dumps(ckpt.describe(saved) | {"path": str(saved.path)})
+        self.server.reply(request, Message(Kind.VALUES, text=text))
+
+    def _restore(self) -> None:
+        if self.store is None:
+            return
+        found, problems = ckpt.latest(self.store.directory)
+        for problem in problems:
+            self.log(f"checkpoint problem: {problem}")
+        if not found:
+            self.log(f"no checkpoint in {self.store.directory}: starting from the startup program's values")
+            return
+        wanted = []
+        for name, (origin, offset) in self.placements.items():
+            value = np.asarray(self.env[name])
+            wanted.append((name, origin, offset, value.shape, value.dtype))
+        # Newest first, so that rows held by several checkpoints come from the latest one.
+        sources = sorted(found.values(), key=lambda cv: cv[0].created, reverse=True)
+        values = ckpt.assemble(wanted, sources)
+        for name, value in values.items():
+            self.env[name] = value
+        own = found.get(self.pserver_id)
+        step = own[0].step if own is not None else max(c.step for c, _ in found.values())
+        if self.mode == "sync":
+            self.completed = step
+        else:
+            self.max_step = step
+        self._last_checkpoint = (step, time.monotonic())
+        used = ", ".join(f"pserver {c.pserver_id} #{c.count} (step {c.step})" for c, _ in sources)
+        self.log(
+            f"restored {len(values)} variables at step {step} from {used} in {self.store.directory}; "
+            f"what this pserver learned after that is lost"
+        )
 
     # -- async workers ---------------------------------------------------------------------
 
@@ -303,14 +528,6 @@ class ParameterServer:
         thread = threading.Thread(target=work, name=f"optimize {grad}", daemon=True)
         thread.start()
         return thread
-
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _snapshot(value: Any) -> Any:

@@ -9,6 +9,8 @@ manifests runs unchanged:
   PADDLE_PSERVERS_IP_PORT_LIST  every pserver's endpoint, comma-separated host:port
   POD_IP, PADDLE_PORT           a pserver's own address (its endpoint is POD_IP:PADDLE_PORT)
   FLUIDPS_MODE                  sync (default), async or ssp
+  FLUIDPS_DATASET               the dataset the trainers read, in a job with a coordinator
+  FLUIDPS_COORDINATOR           the coordinator's address, where readers get their tasks
 
 `fluidps launch` sets them for every process it starts.
 """
@@ -35,6 +37,13 @@ CONTRACT_VARS = (
     "POD_IP",
     "PADDLE_PORT",
     "FLUIDPS_MODE",
+    "FLUIDPS_DATASET",
+    "FLUIDPS_COORDINATOR",
+    "FLUIDPS_ELASTIC",
+    "FLUIDPS_CHECKPOINT_DIR",
+    "FLUIDPS_CHECKPOINT_EVERY_STEPS",
+    "FLUIDPS_CHECKPOINT_EVERY_SECONDS",
+    "FLUIDPS_CHECKPOINT_KEEP",
 )
 
 # int() would also take "+3", "1_000" or "٣"; a rank or port is plain ASCII digits.
@@ -51,6 +60,7 @@ class RoleInfo:
     pserver_endpoints: tuple[str, ...]
     current_endpoint: str | None
     mode: str = "sync"
+    dataset: str | None = None  # FLUIDPS_DATASET: what a job with a coordinator reads
 
     @property
     def is_pserver(self) -> bool:
@@ -133,13 +143,14 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     if mode not in MODES:
         raise BuilderError(f"FLUIDPS_MODE={mode!r} is invalid: it should hold one of {', '.join(MODES)}")
 
+    dataset = env.get("FLUIDPS_DATASET", "").strip() or None
     if role == "TRAINER":
         trainer_id = _int(env, "PADDLE_TRAINER_ID", id_what, 0, trainers - 1)
-        return RoleInfo(role, trainer_id, trainers, endpoints, None, mode)
+        return RoleInfo(role, trainer_id, trainers, endpoints, None, mode, dataset)
 
     # Paddle leaves PADDLE_TRAINER_ID unset on pservers; a value that is there must still be sane.
     has_id = env.get("PADDLE_TRAINER_ID", "").strip() != ""
     trainer_id = _int(env, "PADDLE_TRAINER_ID", id_what, 0, trainers - 1) if has_id else 0
     pod_ip = _get(env, "POD_IP", "this pserver's host or IP address")
     port = _int(env, "PADDLE_PORT", "this pserver's TCP port, an integer from 1 to 65535", 1, 65535)
-    return RoleInfo(role, trainer_id, trainers, endpoints, format_endpoint(pod_ip, port), mode)
+    return RoleInfo(role, trainer_id, trainers, endpoints, format_endpoint(pod_ip, port), mode, dataset)

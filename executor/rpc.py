@@ -40,6 +40,9 @@ class RpcSettings:
     max_message_bytes: int = 1 << 34  # ZeroMQ drops larger messages and their sender's connection
     security: Security | None = None
     insecure: bool = False  # allow serving non-loopback addresses without CURVE
+    # Trainers are disposable (a coordinator hands out the data): pservers evict a trainer
+    # that goes silent and let a restarted one rejoin, instead of failing the job.
+    elastic: bool = False
 
     def with_(self, **changes: Any) -> RpcSettings:
         from dataclasses import replace
@@ -68,27 +71,40 @@ def _common_options(socket: zmq.Socket, settings: RpcSettings) -> None:
     socket.setsockopt(zmq.HEARTBEAT_TTL, int(settings.peer_timeout * 1000))
 
 
+def connect_dealer(context: zmq.Context, endpoint: str, settings: RpcSettings, tag: str) -> zmq.Socket:
+    """A DEALER connected to `endpoint`, encrypted when the settings have keys."""
+    socket = context.socket(zmq.DEALER)
+    _common_options(socket, settings)
+    # A fixed routing id lets the server route replies across reconnects.
+    socket.setsockopt(zmq.ROUTING_ID, f"{tag}-{secrets.token_hex(6)}".encode())
+    address = zmq_address(endpoint)
+    # inproc:// never leaves the process: nothing to encrypt.
+    if settings.security is not None and not address.startswith("inproc://"):
+        settings.security.apply_client(socket)
+    socket.connect(address)
+    return socket
+
+
 class RpcClient:
     """A DEALER connected to one server; `peer` names it in errors."""
 
     def __init__(
-        self, context: zmq.Context, endpoint: str, peer: str, settings: RpcSettings, trainer_id: int = -1
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        peer: str,
+        settings: RpcSettings,
+        trainer_id: int = -1,
+        sender: int = 0,
     ):
         self.endpoint = endpoint
         self.peer = peer
         self.settings = settings
         self.trainer_id = trainer_id
+        self.sender = sender  # this process's incarnation, stamped on every message
         self.incarnation = 0
         self.lost = False  # it went silent once: talking to it again would only wait again
-        self._socket = context.socket(zmq.DEALER)
-        _common_options(self._socket, settings)
-        # A fixed routing id lets the server route replies across reconnects.
-        self._socket.setsockopt(zmq.ROUTING_ID, f"c{trainer_id}-{secrets.token_hex(6)}".encode())
-        address = zmq_address(endpoint)
-        # inproc:// never leaves the process: nothing to encrypt.
-        if settings.security is not None and not address.startswith("inproc://"):
-            settings.security.apply_client(self._socket)
-        self._socket.connect(address)
+        self._socket = connect_dealer(context, endpoint, settings, f"c{trainer_id}")
         self._next_id = 1
         self._sent: dict[int, tuple[list[Any], float, int]] = {}  # id -> (frames, sent at, kind)
         self._replies: dict[int, Message] = {}
@@ -102,6 +118,7 @@ class RpcClient:
         msg.request_id, msg.incarnation = rid, self.incarnation
         if msg.trainer_id < 0:
             msg.trainer_id = self.trainer_id
+        msg.sender = msg.sender or self.sender
         frames = encode(msg)
         # Not sent (no peer to queue it for): sent at 0, so it goes as soon as a server answers.
         sent = self._send(frames)
@@ -157,7 +174,7 @@ class RpcClient:
                     "it is down or unreachable"
                 )
             if now - self._last_ping >= self.settings.heartbeat_interval:
-                self._send(encode(Message(Kind.HEARTBEAT, trainer_id=self.trainer_id)))
+                self._send(encode(Message(Kind.HEARTBEAT, trainer_id=self.trainer_id, sender=self.sender)))
                 self._last_ping = now
             if self._socket.poll(int(min(timeout, self.settings.heartbeat_interval) * 1000)):
                 self._drain()
@@ -296,6 +313,8 @@ class RpcServer:
         # Port 0 binds any free port: from here on, the address is the one ZeroMQ picked.
         self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._clients: dict[bytes, _ClientState] = {}
+        # (trainer id, sender incarnation) -> when any message of it last arrived, heartbeats included.
+        self.heard: dict[tuple[int, int], float] = {}
 
     def receive(self, timeout: float, wake: zmq.Socket | None = None) -> list[Request]:
         """Requests that arrived within `timeout` seconds; heartbeats, repeats and
@@ -334,6 +353,8 @@ class RpcServer:
             self.rejected += 1
             self._send(client, Message(Kind.ERROR, text=f"{self.name} rejected a malformed message: {e}"))
             return None
+        if msg.trainer_id >= 0:
+            self.heard[(msg.trainer_id, msg.sender)] = time.monotonic()
         state = self._clients.setdefault(client, _ClientState())
         if msg.kind == Kind.HEARTBEAT:
             answered = [str(r) for r in state.replies]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -19,20 +20,34 @@ from typing import Any
 
 import zmq
 
-from fluidps.errors import TransportError
+from fluidps.errors import Error, TransportError
+from fluidps.executor.coordinator import CoordinatorClient
+from fluidps.executor.keepalive import Keepalive
 from fluidps.executor.rpc import RpcClient, RpcSettings, wait_all, zmq_address
 from fluidps.executor.security import Security
+from fluidps.executor.task_reader import TaskReader
 from fluidps.executor.wire import Kind, Message
+from fluidps.ops.reader import ReaderSpec
 
 
 def settings_from_env(environ: dict[str, str] | None = None) -> RpcSettings:
-    """RpcSettings from FLUIDPS_PEER_TIMEOUT, FLUIDPS_REQUEST_TIMEOUT, FLUIDPS_KEYS, FLUIDPS_INSECURE."""
+    """RpcSettings from FLUIDPS_PEER_TIMEOUT, FLUIDPS_REQUEST_TIMEOUT, FLUIDPS_MAX_MESSAGE_BYTES,
+    FLUIDPS_KEYS, FLUIDPS_INSECURE and FLUIDPS_ELASTIC."""
     env = os.environ if environ is None else environ
     settings = RpcSettings()
     if "FLUIDPS_PEER_TIMEOUT" in env:
         settings = settings.with_(peer_timeout=_seconds(env, "FLUIDPS_PEER_TIMEOUT"))
     if "FLUIDPS_REQUEST_TIMEOUT" in env:
         settings = settings.with_(request_timeout=_seconds(env, "FLUIDPS_REQUEST_TIMEOUT"))
+    if "FLUIDPS_MAX_MESSAGE_BYTES" in env:
+        text = env["FLUIDPS_MAX_MESSAGE_BYTES"]
+        if not (text.isascii() and text.isdigit() and 0 < int(text) <= 1 << 40):
+            raise TransportError(
+                f"FLUIDPS_MAX_MESSAGE_BYTES={text!r} is invalid: it should hold a number of bytes, 1 .. 2**40"
+            )
+        settings = settings.with_(max_message_bytes=int(text))
+    if env.get("FLUIDPS_ELASTIC") == "1":
+        settings = settings.with_(elastic=True)
     if env.get("FLUIDPS_KEYS"):
         settings = settings.with_(security=Security.from_dir(env["FLUIDPS_KEYS"]))
     if env.get("FLUIDPS_INSECURE") == "1":
@@ -80,7 +95,17 @@ class GradientQueue:
 class Runtime:
     def __init__(self, settings: RpcSettings | None = None):
         self.settings = settings or settings_from_env()
+        # This participant's incarnation: pservers tell a restarted trainer from its old self by it.
+        self.sender = secrets.randbits(63) | 1
         self.step = 0
+        self._keepalive: Keepalive | None = None
+        self.trainer_id = 0  # learnt from the first pserver client a trainer program opens
+        # Readers' tasks come from this coordinator; None: from a queue in this process.
+        self.coordinator: str | None = os.environ.get("FLUIDPS_COORDINATOR") or None
+        # A reader with no task now waits for one, unless a client drives this executor
+        # step by step (an executor server): then it says so (NoDataYet) and returns.
+        self.wait_for_tasks = True
+        self._readers: list[TaskReader] = []
         self._context: zmq.Context | None = None
         self._clients: dict[str, RpcClient] = {}
         self._queues: dict[str, GradientQueue] = {}
@@ -104,8 +129,18 @@ class Runtime:
     def client(self, endpoint: str, trainer_id: int = -1) -> RpcClient:
         if endpoint not in self._clients:
             self._clients[endpoint] = RpcClient(
-                self.context_for(endpoint), endpoint, f"pserver {endpoint}", self.settings, trainer_id
+                self.context_for(endpoint),
+                endpoint,
+                f"pserver {endpoint}",
+                self.settings,
+                trainer_id,
+                self.sender,
             )
+            if trainer_id >= 0:
+                self.trainer_id = trainer_id
+                if self._keepalive is None:
+                    self._keepalive = Keepalive(self.settings, trainer_id, self.sender, self.context_for)
+                self._keepalive.add(endpoint)
         return self._clients[endpoint]
 
     def queue(self, name: str) -> GradientQueue:
@@ -165,6 +200,25 @@ class Runtime:
         requests = {ep: Message(kind, trainer_id=trainer_id, step=self.step) for ep in endpoints}
         self._exchange(requests, trainer_id, wait=kind != Kind.FETCH_BARRIER)
 
+    def pause(self) -> None:
+        """Tell every pserver this trainer has no data for now: until it sends again, no
+        barrier waits for it (its next gradients resume it)."""
+        trainer_id = self.trainer_id
+        requests = {ep: Message(Kind.PAUSE, trainer_id=trainer_id, step=self.step) for ep in self._clients}
+        self._exchange(requests, trainer_id, wait=True)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def open_reader(self, spec: ReaderSpec) -> TaskReader:
+        reader = TaskReader(spec)
+        self._readers.append(reader)
+        return reader
+
+    def coordinator_client(self) -> CoordinatorClient:
+        if self.coordinator is None:
+            raise TransportError("this job has no coordinator (FLUIDPS_COORDINATOR is not set)")
+        return CoordinatorClient(self.context, self.coordinator, self.settings, self.trainer_id, self.sender)
+
     def settle(self) -> None:
         """Wait for the acknowledgements of what was sent without waiting."""
         pending, self._unsettled = self._unsettled, []
@@ -182,8 +236,19 @@ class Runtime:
 
     def close(self) -> list[str]:
         """Tell every pserver this trainer is done, close the sockets. Returns the
-        problems met (a pserver already gone), which must not hide the caller's own."""
+        problems met (a pserver already gone), which must not hide the caller's own.
+
+        In an elastic job a trainer leaving before its reader saw the end of the data
+        (it failed) says it pauses instead: the pservers go on without it, and a
+        restarted process takes its place."""
+        leaving = self.settings.elastic and any(r.reading for r in self._readers)
         problems = []
+        for reader in self._readers:  # its last task: done, or given back
+            try:
+                reader.close()
+            except Error as e:
+                problems.append(f"reader of {reader.spec.dataset}: {e}")
+        self._readers.clear()
         try:
             self.settle()
         except TransportError as e:
@@ -193,7 +258,7 @@ class Runtime:
             if client.lost:  # known dead: do not wait for it a second time
                 problems.append(f"{endpoint}: not told this trainer is done; it stopped answering earlier")
             else:
-                asked[endpoint] = client.request(Message(Kind.COMPLETE))
+                asked[endpoint] = client.request(Message(Kind.PAUSE if leaving else Kind.COMPLETE))
         for endpoint, rid in asked.items():
             try:
                 self._clients[endpoint].wait(rid, timeout=self.settings.peer_timeout)
@@ -202,6 +267,9 @@ class Runtime:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
         if self._context is not None:
             self._context.term()
             self._context = None

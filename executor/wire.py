@@ -57,6 +57,7 @@ class Message:
     text: str = ""
     blobs: list[bytes] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
+    sender: int = 0  # the sending process's incarnation (0: not said)
 
     @property
     def kind_name(self) -> str:
@@ -89,6 +90,7 @@ def encode(msg: Message) -> list[Any]:
     """The frames of `msg`; tensors are referenced, not copied."""
     header = pb.Header(kind=msg.kind, request_id=msg.request_id, trainer_id=msg.trainer_id, step=msg.step)
     header.incarnation = msg.incarnation
+    header.sender = msg.sender
     frames: list[Any] = []
     for name, value in msg.tensors.items():
         meta = header.tensors.add(name=name)
@@ -167,6 +169,7 @@ def decode(frames: list[Any]) -> Message:
         text=_long_text(header.text),
         blobs=blobs,
         pending=list(header.pending),
+        sender=header.sender,
     )
 
 

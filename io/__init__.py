@@ -7,6 +7,7 @@ PaddlePaddle's own file formats (no pickle anywhere).
     program, feed_names, fetch_targets = fluidps.io.load_inference_model("model", exe)
 """
 
+from fluidps.io.checkpoints import merge_checkpoints
 from fluidps.io.dataset import Dataset, Field, Shard, Task
 from fluidps.io.inference import load_inference_model, prune_for_inference, save_inference_model
 from fluidps.io.persistables import (
@@ -41,6 +42,7 @@ __all__ = [
     "load_vars",
     "lod_tensor_from_bytes",
     "lod_tensor_to_bytes",
+    "merge_checkpoints",
     "prune_for_inference",
     "save_inference_model",
     "save_params",

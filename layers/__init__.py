@@ -2,7 +2,7 @@
 
 from fluidps.layers.guard import program_guard
 from fluidps.layers.helper import LayerHelper
-from fluidps.layers.io import data
+from fluidps.layers.io import data, dataset_reader
 from fluidps.layers.learning_rate import exponential_decay, piecewise_decay
 from fluidps.layers.loss import cross_entropy, softmax_with_cross_entropy
 from fluidps.layers.math import (
@@ -56,6 +56,7 @@ __all__ = [
     "create_parameter",
     "cross_entropy",
     "data",
+    "dataset_reader",
     "dropout",
     "elementwise_add",
     "elementwise_div",

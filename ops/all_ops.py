@@ -18,6 +18,7 @@ from fluidps.ops import (
     metric,
     optimizers,
     pool,
+    reader,
     reduce,
     shape,
     softmax,
@@ -26,6 +27,7 @@ from fluidps.ops.registry import OpRegistry
 
 FAMILIES = (
     io,
+    reader,
     creation,
     copy,
     arith,

@@ -25,7 +25,7 @@ import numpy as np
 from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext
 from fluidps.ir.types import DISTRIBUTED_MODES, VarType
-from fluidps.ops.defs import Blocks, Bool, In, Int, Ints, Long, Longs, Out, Str, Strs
+from fluidps.ops.defs import Blocks, Bool, Float, In, Int, Ints, Long, Longs, Out, Str, Strs
 from fluidps.ops.kernel import RUNTIME_KEY, Env, KernelOp, Runner, contiguous
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows
@@ -142,6 +142,16 @@ family.define(
         Strs("grad_to_queue_block_id", []),
         Int("staleness", 0),
         Long("rpc_timeout_ms", 30000),
+        # Checkpoints: where, how often (0: never), how many to keep; FLUIDPS_CHECKPOINT_* override.
+        Str("checkpoint_dir", ""),
+        Int("checkpoint_every_steps", 0, lambda n: n >= 0, "checkpoint_every_steps must be >= 0"),
+        Float("checkpoint_every_seconds", 0.0, lambda s: s >= 0, "checkpoint_every_seconds must be >= 0"),
+        Int("checkpoint_keep", 3, lambda n: n >= 1, "checkpoint_keep must be >= 1"),
+        # What a checkpoint holds: each persistable variable here, the variable of the original
+        # program it is (part of), and its first row there (-1: all of it).
+        Strs("checkpoint_vars", []),
+        Strs("checkpoint_origins", []),
+        Longs("checkpoint_offsets", []),
     ],
 )
 

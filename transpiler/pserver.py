@@ -209,6 +209,9 @@ def build_pserver_programs(
         "lr_decay_block_id": lr_block_id,
         "grad_to_queue_block_id": grad_to_queue,
         "staleness": config.staleness,
+        "checkpoint_vars": list(b.origins),
+        "checkpoint_origins": [origin for origin, _ in b.origins.values()],
+        "checkpoint_offsets": [s.offset if s is not None else -1 for _, s in b.origins.values()],
     }
     append_role_op(
         b.global_block, "listen_and_serv", {"X": [s.grad for s in mine]}, {}, attrs, role=OpRole.RPC

@@ -245,7 +245,7 @@ def test_hash_name_placement_uses_crc32():
         assert s.endpoint == endpoints[zlib.crc32(s.name.encode()) % 4]
 
 
-@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("n", range(2, 9))
 def test_bytes_per_pserver_stay_balanced(n):
     main, startup = fluidps.Program(), fluidps.Program()
     with fluidps.program_guard(main, startup):
@@ -257,22 +257,76 @@ def test_bytes_per_pserver_stay_balanced(n):
         h = layers.fc(h, 32, act="relu")
         loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 2), y))
         optimizer.Adam(0.001, lazy_mode=True).minimize(loss)
-    _, plan = transpile(main, startup, pservers=",".join(f"127.0.0.1:{6170 + i}" for i in range(n)))
+    endpoints = ",".join(f"127.0.0.1:{6170 + i}" for i in range(n))
+    _, plan = transpile(main, startup, pservers=endpoints, split_method="RoundRobin")
     per = plan.bytes_per_pserver().values()
-    assert max(per) / min(per) <= 1.5
+    assert len(per) == n and max(per) / min(per) <= 1.5
 
 
-def test_same_input_gives_byte_identical_output_and_inputs_are_untouched():
-    main, startup = mlp(decay=True, l2=True)
+MODELS = {"mlp": mlp, "sparse": sparse_model, "lr_decay": lambda: mlp(decay=True, l2=True)}
+MODE_CONFIG = {"sync": {}, "async": {"send_interval": 2}, "ssp": {"staleness": 2}}
+
+
+def _all_programs(t, plan):
+    programs = [plan.trainer_program, plan.trainer_startup]
+    programs += [p for ep in plan.endpoints for p in t.get_pserver_programs(ep)]
+    return [p.serialize_to_string() for p in programs]
+
+
+@pytest.mark.parametrize("mode", MODE_CONFIG)
+@pytest.mark.parametrize("model", MODELS)
+def test_same_input_gives_byte_identical_output(model, mode):
+    def run(main, startup):
+        return _all_programs(*transpile(main, startup, mode, trainers=2, **MODE_CONFIG[mode]))
+
+    # The same program objects twice, and a freshly built copy (as another process builds it).
+    main, startup = MODELS[model]()
+    first = run(main, startup)
+    assert run(main, startup) == first
+    assert run(*MODELS[model]()) == first
+
+
+@pytest.mark.parametrize("mode", MODE_CONFIG)
+@pytest.mark.parametrize("model", MODELS)
+def test_input_programs_are_not_modified(model, mode):
+    main, startup = MODELS[model]()
     before = (main.serialize_to_string(), startup.serialize_to_string())
-    outputs = []
-    for _ in range(2):
-        t, plan = transpile(main, startup, "sync", trainers=2)
-        programs = [plan.trainer_program, plan.trainer_startup]
-        programs += [p for ep in plan.endpoints for p in t.get_pserver_programs(ep)]
-        outputs.append([p.serialize_to_string() for p in programs])
-    assert outputs[0] == outputs[1]
+    revisions = (main.revision, startup.revision)
+    t, plan = transpile(main, startup, mode, trainers=2, **MODE_CONFIG[mode])
+    assert plan.trainer_program is not main and plan.trainer_startup is not startup
     assert (main.serialize_to_string(), startup.serialize_to_string()) == before
+    assert (main.revision, startup.revision) == revisions
+    fluidps.verify(main)
+    # Neither do the programs handed out: they are copies.
+    t.get_trainer_program().global_block().remove_op(0)
+    for ep in plan.endpoints:
+        t.get_startup_program(ep).global_block().remove_op(0)
+    assert (main.serialize_to_string(), startup.serialize_to_string()) == before
+
+
+def test_listen_and_serv_knows_its_endpoint_and_pserver_id():
+    endpoints = [f"127.0.0.1:{6170 + i}" for i in range(3)]
+    main, startup = sparse_model()
+    t, plan = transpile(main, startup, pservers=",".join(endpoints), min_block_size=100)
+    assert list(plan.endpoints) == endpoints
+    for i, ep in enumerate(endpoints):
+        (serve,) = t.get_pserver_program(ep).global_block().ops
+        assert serve.type == "listen_and_serv"
+        assert serve.attr("endpoint") == ep and serve.attr("pserver_id") == i
+
+
+def test_get_startup_program_with_a_pserver_program():
+    main, startup = mlp()
+    t, plan = transpile(main, startup)
+    for ep in plan.endpoints:
+        pserver, pserver_startup = t.get_pserver_programs(ep)
+        expected = pserver_startup.serialize_to_string()
+        assert t.get_startup_program(ep, pserver).serialize_to_string() == expected
+        assert t.get_startup_program(ep).serialize_to_string() == expected
+    # Each pserver's startup initializes its own slices, not the other's.
+    first, second = (t.get_startup_program(ep).serialize_to_string() for ep in plan.endpoints)
+    assert first != second
+    assert t.get_startup_program().serialize_to_string() == plan.trainer_startup.serialize_to_string()
 
 
 def test_getters_hand_out_copies():
@@ -367,8 +421,22 @@ def test_transpile_cli_writes_programs_and_placement(tmp_path):
         "pserver_1_startup",
     ):
         assert {f"{stem}.pb", f"{stem}.dot"} <= names
+    assert {"placement.txt", "placement.json"} <= names
     placement = json.loads((out / "placement.json").read_text())
     assert placement["mode"] == "async" and len(placement["slices"]) == 4
+    text = (out / "placement.txt").read_text()
+    per = placement["bytes_per_pserver"]
+    assert list(per) == EPS2.split(",") and all(b > 0 for b in per.values())
+    total = sum(per.values())
+    for i, (ep, nbytes) in enumerate(per.items()):
+        assert f"pserver {i} {ep}: {nbytes:,} bytes ({100 * nbytes / total:.1f}%)" in text
+    shares = [
+        float(line.rsplit("(", 1)[1].rstrip("%)"))
+        for line in text.splitlines()
+        if line.startswith("pserver ")
+    ]
+    assert len(shares) == 2 and sum(shares) == pytest.approx(100, abs=0.1)
+    assert text.rstrip("\n") in result.stdout  # what the command printed
     shown = subprocess.run(
         [sys.executable, "-m", "fluidps", "inspect", str(out / "pserver_0.pb"), "--check"],
         capture_output=True,

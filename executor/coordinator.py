@@ -1,0 +1,322 @@
+"""The coordinator: a TaskQueue served over ZeroMQ, snapshotted after every change.
+
+Trainers' readers ask it for tasks (TASK_GET, saying what they read: dataset,
+records per task, passes), report them done or failed, and renew long ones.
+The first trainer's request configures a fresh coordinator; later ones must
+read the same. Every change is written to the snapshot (atomically: temporary
+file, fsync, rename) before it is answered, so a coordinator killed at any
+moment and restarted from its snapshot neither loses nor double-counts a task:
+a report it never answered is retried by the trainer (`CoordinatorClient`) and
+counted then; one it answered is in the snapshot.
+
+Every message's text is JSON, parsed into checked fields (`_fields`): nothing
+received is evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from fluidps.errors import Error, PeerLostError, RemoteError, TransportError
+from fluidps.executor.rpc import Request, RpcClient, RpcServer, RpcSettings
+from fluidps.executor.task_queue import Lease, QueueConfig, TaskQueue
+from fluidps.executor.wire import Kind, Message
+from fluidps.io.atomic import write_atomic
+from fluidps.io.dataset import Dataset
+
+DEFAULT_TASK_TIMEOUT = 60.0
+# What a trainer's TASK_GET says it reads.
+READ_REQUEST = {
+    "dataset": str,
+    "fingerprint": str,
+    "records_per_task": int,
+    "passes": int,
+    "shuffle": bool,
+    "seed": int,
+}
+DEFAULT_MAX_FAILURES = 3
+
+
+class Coordinator:
+    def __init__(
+        self,
+        endpoint: str,
+        settings: RpcSettings | None = None,
+        snapshot: str | None = None,
+        task_timeout: float = DEFAULT_TASK_TIMEOUT,
+        max_failures: int = DEFAULT_MAX_FAILURES,
+        name: str = "coordinator",
+    ):
+        self.settings = settings or RpcSettings()
+        self.name = name
+        self.snapshot = Path(snapshot) if snapshot else None
+        self.task_timeout, self.max_failures = task_timeout, max_failures
+        self.queue: TaskQueue | None = None
+        self.dataset_path: str | None = None
+        self._context = zmq.Context()
+        self._running = True
+        self._started = time.monotonic()
+        if self.snapshot is not None and self.snapshot.exists():
+            self._resume()
+        self.server = RpcServer(self._context, endpoint, name, self.settings)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def log(self, message: str) -> None:
+        print(f"{self.name}: {message}", flush=True)
+
+    # -- running ---------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        try:
+            while self._running:
+                for request in self.server.receive(0.2):
+                    self._handle(request)
+                if self.queue is not None and self.queue.pending:
+                    expired = self.queue.expire(time.monotonic())
+                    for lease, outcome in expired:
+                        self._report_failure(lease, "timed out", outcome)
+                    if expired:
+                        self._save()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._running = False
+
+    def close(self) -> None:
+        self.server.close()
+        self._context.term()
+
+    def _handle(self, request: Request) -> None:
+        msg = request.msg
+        try:
+            if msg.kind == Kind.HELLO:
+                self.server.reply(request)
+            elif msg.kind == Kind.STATUS:
+                self.server.reply(request, Message(Kind.VALUES, text=json.dumps(self.status())))
+            elif msg.kind == Kind.TASK_GET:
+                self.server.reply(request, self._get(msg))
+            elif msg.kind in (Kind.TASK_DONE, Kind.TASK_FAILED, Kind.TASK_RENEW):
+                self.server.reply(request, self._report(msg))
+            else:
+                raise Error(f"{self.name} does not handle {msg.kind_name} messages")
+        except Error as e:
+            self.server.error(request, f"{self.name}: {e}")
+
+    # -- tasks ------------------------------------------------------------------------------
+
+    def _get(self, msg: Message) -> Message:
+        wanted = _fields(msg.text, READ_REQUEST)
+        config = QueueConfig(
+            wanted["fingerprint"],
+            wanted["records_per_task"],
+            wanted["passes"],
+            wanted["shuffle"],
+            wanted["seed"],
+        )
+        if self.queue is None:
+            self._configure(wanted["dataset"], config)
+        elif config != self.queue.config:
+            raise Error(
+                f"trainer {msg.trainer_id} reads {wanted['dataset']} as {asdict(config)}, but this job's tasks are "
+                f"{asdict(self.queue.config)}: every trainer must read the same dataset the same way"
+            )
+        queue = self.queue
+        assert queue is not None
+        before = (queue.pass_index, set(queue.failures.items()))
+        got = queue.acquire(msg.trainer_id, f"{msg.sender:x}", time.monotonic())
+        if before[1] != set(queue.failures.items()):
+            self.log(f"trainer {msg.trainer_id} restarted: the task it held goes back to the queue")
+        self._after_change(before[0])
+        if isinstance(got, str):
+            return Message(Kind.NO_TASK, text=got)
+        task = queue.tasks[got.task]
+        reply = {
+            "lease": got.id,
+            "task": task.id,
+            "shard": task.shard,
+            "start": task.start,
+            "stop": task.stop,
+            "pass": queue.pass_index,
+            "attempt": got.attempt,
+            "timeout": queue.timeout,
+        }
+        return Message(Kind.TASK, text=json.dumps(reply))
+
+    def _report(self, msg: Message) -> Message:
+        if self.queue is None:
+            raise Error("no task was handed out yet: this report is from another job")
+        queue, worker = self.queue, f"{msg.sender:x}"
+        pass_before = queue.pass_index
+        if msg.kind == Kind.TASK_RENEW:
+            lease_id = _fields(msg.text, {"lease": int})["lease"]
+            ok = queue.renew(lease_id, worker, time.monotonic())
+            return Message(Kind.OK, text="renewed" if ok else "stale")
+        if msg.kind == Kind.TASK_DONE:
+            fields = _fields(msg.text, {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT})
+            if fields["samples"] < 0 or (fields["loss"] is not None and not math.isfinite(fields["loss"])):
+                raise Error(f"a task report needs samples >= 0 and a finite loss, got {msg.text!r}")
+            counted = queue.finish(fields["lease"], worker, fields["samples"], fields["loss"])
+            if not counted:
+                self.log(
+                    f"trainer {msg.trainer_id} finished lease {fields['lease']}, which is no longer its: not counted"
+                )
+            self._after_change(pass_before)
+            return Message(Kind.OK, text="counted" if counted else "stale")
+        fields = _fields(msg.text, {"lease": int, "reason": str})
+        lease = next((le for le in queue.pending.values() if le.id == fields["lease"]), None)
+        outcome = queue.fail(fields["lease"], worker, fields["reason"])
+        if lease is not None and outcome != "stale":
+            self._report_failure(lease, fields["reason"], outcome)
+        self._after_change(pass_before)
+        return Message(Kind.OK, text=outcome)
+
+    def _report_failure(self, lease: Lease, reason: str, outcome: str) -> None:
+        assert self.queue is not None
+        failures = self.queue.failures.get(lease.task, 0)
+        what = (
+            f"discarded after {failures} failures (max {self.max_failures}): its records are not trained on"
+            if outcome == "discarded"
+            else f"back to the queue (failure {failures} of at most {self.max_failures})"
+        )
+        self.log(f"task {lease.task} (trainer {lease.trainer}) failed: {reason}; {what}")
+
+    def _configure(self, dataset_path: str, config: QueueConfig) -> None:
+        dataset = Dataset(dataset_path)
+        if dataset.fingerprint != config.fingerprint:
+            raise Error(
+                f"the trainers' dataset {dataset_path} has fingerprint {config.fingerprint}, but the coordinator "
+                f"reads {dataset.fingerprint} there: do they see the same files?"
+            )
+        tasks = dataset.tasks(config.records_per_task)
+        self.queue = TaskQueue(config, tasks, self.task_timeout, self.max_failures)
+        self.dataset_path = dataset_path
+        self.log(
+            f"{len(tasks)} tasks of at most {config.records_per_task} records from {dataset.describe()}; "
+            f"{config.passes} pass(es)"
+        )
+        self._save()
+
+    def _after_change(self, pass_before: int) -> None:
+        queue = self.queue
+        assert queue is not None
+        for summary in queue.history[pass_before:]:
+            self.log(
+                f"pass {summary['pass'] + 1} done: {len(summary['done'])} tasks, {summary['samples']:,} samples"
+                + (f", {len(summary['discarded'])} discarded" if summary["discarded"] else "")
+            )
+        self._save()
+
+    # -- persistence ------------------------------------------------------------------------
+
+    def _save(self) -> None:
+        if self.snapshot is None or self.queue is None:
+            return
+        body = {"dataset": self.dataset_path, "queue": self.queue.to_snapshot()}
+        write_atomic(str(self.snapshot), [json.dumps(body).encode()])
+
+    def _resume(self) -> None:
+        assert self.snapshot is not None
+        try:
+            body = json.loads(self.snapshot.read_text())
+            self.queue = TaskQueue.from_snapshot(body["queue"], time.monotonic())
+            self.dataset_path = str(body["dataset"])
+        except (OSError, ValueError, KeyError, TypeError, Error) as e:
+            raise Error(f"cannot resume from the coordinator snapshot {self.snapshot}: {e}") from None
+        q = self.queue
+        self.log(
+            f"resumed from {self.snapshot}: pass {min(q.pass_index, q.config.passes - 1) + 1} of "
+            f"{q.config.passes}, {len(q.done)} tasks done, {len(q.pending)} pending (their trainers may still "
+            f"report them), {len(q.todo)} to do, {len(q.discarded)} discarded"
+        )
+
+    def status(self) -> dict[str, Any]:
+        if self.queue is None:
+            return {"configured": False, "finished": False}
+        return {"configured": True, "dataset": self.dataset_path, **self.queue.status()}
+
+
+OPTIONAL_FLOAT = "a number or null"
+
+
+def _fields(text: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object in `text`, with exactly the keys of `schema` and values of their
+    types (int, float, str, bool, or OPTIONAL_FLOAT)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        raise Error(f"expected a JSON object, got {text[:80]!r}") from None
+    if not isinstance(body, dict) or set(body) != set(schema):
+        raise Error(f"expected the fields {sorted(schema)}, got {text[:200]!r}")
+    for key, kind in schema.items():
+        value = body[key]
+        if kind in (float, OPTIONAL_FLOAT):
+            if value is None and kind == OPTIONAL_FLOAT:
+                continue
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok:
+                body[key] = float(value)
+        else:
+            ok = isinstance(value, kind) and isinstance(value, bool) == (kind is bool)
+        if not ok:
+            raise Error(f"field {key!r} has a bad value {value!r}")
+    return body
+
+
+class CoordinatorClient:
+    """A trainer's connection to the coordinator, which may restart: a request that meets
+    a restart or silence is sent again, on a new connection, until the coordinator answers
+    or `patience` seconds pass (the time a launcher needs to bring it back)."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        settings: RpcSettings,
+        trainer_id: int,
+        sender: int,
+        patience: float = 120.0,
+    ):
+        self.context, self.endpoint, self.settings = context, endpoint, settings
+        self.trainer_id, self.sender, self.patience = trainer_id, sender, patience
+        self._client: RpcClient | None = None
+
+    def call(self, kind: int, fields: dict[str, Any]) -> Message:
+        deadline = time.monotonic() + self.patience
+        while True:
+            client = self._connect()
+            try:
+                return client.call(
+                    Message(kind, text=json.dumps(fields)), timeout=self.settings.peer_timeout * 3
+                )
+            except RemoteError:
+                raise
+            except (PeerLostError, TransportError) as e:  # down, restarting, or restarted
+                self.close()
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"the coordinator ({self.endpoint}) has not come back within {self.patience:g} s: {e}"
+                    ) from None
+                time.sleep(min(1.0, self.settings.heartbeat_interval * 2))
+
+    def _connect(self) -> RpcClient:
+        if self._client is None:
+            self._client = RpcClient(
+                self.context, self.endpoint, "the coordinator", self.settings, self.trainer_id, self.sender
+            )
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,380 @@
+"""Pserver checkpoints: crash-safe files, checksums, the last K kept, restores that
+reshard, and whole-model exports.
+
+Checkpoint number N of pserver P is two files in the checkpoint directory:
+
+    pserver-P-N.data   every variable the pserver holds, in Paddle's tensor format
+    pserver-P-N.json   the manifest: step, variables (name, dtype, shape, and which
+                       rows of which variable of the original program each one is),
+                       the data file's size and sha256
+
+The data file is written first (temporary file, fsync, rename), then the
+manifest the same way, then the directory is fsynced: a checkpoint exists once
+its manifest does, so a crash mid-write leaves the previous one as the latest.
+Reading verifies the sha256; a corrupt checkpoint is an error naming the file.
+
+Restoring assembles each variable a pserver needs from the newest valid
+checkpoint of every pserver, by rows of the original variable: a pserver
+restarting in the same job finds its own slices; a job with a different
+number of pservers finds the same rows cut differently (resharding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fluidps.errors import CheckpointError, SerializationError
+from fluidps.io.atomic import TEMP_SUFFIX, fsync_dir, write_atomic
+from fluidps.io.tensor_file import TensorReader, lod_tensor_chunks
+
+FORMAT = "fluidps-pserver-checkpoint"
+_NAME = re.compile(r"pserver-(\d+)-(\d+)\.json")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [offset, offset + rows) of the original variable `origin` (offset None: all of it)."""
+
+    name: str  # the variable on the pserver
+    origin: str
+    offset: int | None
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint's manifest."""
+
+    path: Path  # the manifest
+    pserver_id: int
+    count: int
+    step: int
+    pieces: tuple[Piece, ...]
+    data_file: str
+    data_bytes: int
+    sha256: str
+    reason: str
+    created: float
+
+    @property
+    def data_path(self) -> Path:
+        return self.path.parent / self.data_file
+
+    def load(self) -> dict[str, np.ndarray]:
+        """Every variable, after checking the data file's size and sha256."""
+        try:
+            data = self.data_path.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint {self.path.name}: cannot read {self.data_path}: {e}") from None
+        if len(data) != self.data_bytes:
+            raise CheckpointError(
+                f"checkpoint {self.path.name} is incomplete: {self.data_path} has {len(data)} bytes, "
+                f"the manifest says {self.data_bytes}"
+            )
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != self.sha256:
+            raise CheckpointError(
+                f"checkpoint {self.path.name} is corrupt: the sha256 of {self.data_path} is {digest}, "
+                f"the manifest says {self.sha256}"
+            )
+        reader = TensorReader(data, str(self.data_path))
+        values = {}
+        try:
+            for piece in self.pieces:
+                array, _ = reader.read_lod_tensor(f"variable {piece.name!r}")
+                if array.shape != piece.shape or array.dtype.str != np.dtype(piece.dtype).str:
+                    raise CheckpointError(
+                        f"checkpoint {self.path.name}: {piece.name!r} is {array.dtype}{list(array.shape)}, "
+                        f"the manifest says {piece.dtype}{list(piece.shape)}"
+                    )
+                values[piece.name] = array
+            reader.expect_end()
+        except SerializationError as e:
+            raise CheckpointError(f"checkpoint {self.path.name}: {e}") from None
+        return values
+
+
+class CheckpointStore:
+    """The checkpoint directory, from one pserver's point of view."""
+
+    def __init__(self, directory: str | os.PathLike, pserver_id: int, keep: int = 3):
+        if keep < 1:
+            raise CheckpointError(f"keep must be >= 1 checkpoint, got {keep}")
+        self.directory = Path(directory)
+        self.pserver_id = pserver_id
+        self.keep = keep
+
+    def save(
+        self,
+        values: Mapping[str, np.ndarray],
+        placements: Mapping[str, tuple[str, int | None]],
+        step: int,
+        reason: str,
+    ) -> Checkpoint:
+        """Write checkpoint count + 1 of `values` (name -> array), where `placements` says
+        which original variable and row offset each one is; older ones beyond `keep` go."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create the checkpoint directory {self.directory}: {e}") from None
+        mine = [c for c in scan(self.directory) if c.pserver_id == self.pserver_id]
+        count = max((c.count for c in mine), default=0) + 1
+        stem = f"pserver-{self.pserver_id}-{count:06d}"
+        pieces, chunks = [], []
+        for name, value in values.items():
+            array = np.asarray(value)
+            origin, offset = placements.get(name, (name, None))
+            pieces.append(Piece(name, origin, offset, array.dtype.str, tuple(array.shape)))
+            chunks += lod_tensor_chunks(array, what=f"variable {name!r}")
+        digest = hashlib.sha256()
+        for chunk in chunks:
+            digest.update(chunk)
+        try:
+            size = write_atomic(str(self.directory / f"{stem}.data"), chunks, sync_dir=False)
+            manifest = {
+                "format": FORMAT,
+                "version": 1,
+                "pserver_id": self.pserver_id,
+                "count": count,
+                "step": step,
+                "reason": reason,
+                "created": time.time(),
+                "vars": [
+                    {
+                        "name": p.name,
+                        "origin": p.origin,
+                        "offset": p.offset,
+                        "dtype": p.dtype,
+                        "shape": list(p.shape),
+                    }
+                    for p in pieces
+                ],
+                "data": {"file": f"{stem}.data", "bytes": size, "sha256": digest.hexdigest()},
+            }
+            write_atomic(
+                str(self.directory / f"{stem}.json"),
+                [json.dumps(manifest, indent=1).encode()],
+                sync_dir=False,
+            )
+            fsync_dir(str(self.directory))
+        except SerializationError as e:
+            raise CheckpointError(f"cannot write checkpoint {stem} into {self.directory}: {e}") from None
+        self._prune(count)
+        return _parse(self.directory / f"{stem}.json")
+
+    def _prune(self, newest: int) -> None:
+        """Remove this pserver's checkpoints older than the last `keep`, and temporary
+        files crashed writes left behind."""
+        for old in scan(self.directory):
+            if old.pserver_id == self.pserver_id and old.count <= newest - self.keep:
+                for path in (old.path, old.data_path):  # the manifest first: no half checkpoint is listed
+                    path.unlink(missing_ok=True)
+        prefix = f".pserver-{self.pserver_id}-"
+        for temp in self.directory.glob(f"{prefix}*{TEMP_SUFFIX}"):
+            temp.unlink(missing_ok=True)
+
+
+def scan(directory: str | os.PathLike) -> list[Checkpoint]:
+    """Every checkpoint manifest in `directory` that parses, oldest first per pserver.
+    (Whether its data is intact is checked when it is loaded.)"""
+    path = Path(directory)
+    if not path.is_dir():
+        return []
+    found = []
+    for manifest in path.iterdir():
+        if _NAME.fullmatch(manifest.name):
+            try:
+                found.append(_parse(manifest))
+            except CheckpointError:
+                continue  # reported by latest() when it matters
+    return sorted(found, key=lambda c: (c.pserver_id, c.count))
+
+
+def latest(
+    directory: str | os.PathLike,
+) -> tuple[dict[int, tuple[Checkpoint, dict[str, np.ndarray]]], list[str]]:
+    """The newest intact checkpoint of each pserver, loaded: {pserver id: (checkpoint,
+    values)}, and the problems met on the way (corrupt or unreadable newer ones, skipped)."""
+    problems: list[str] = []
+    path = Path(directory)
+    if path.is_dir():
+        for manifest in sorted(path.iterdir()):
+            if _NAME.fullmatch(manifest.name):
+                try:
+                    _parse(manifest)
+                except CheckpointError as e:
+                    problems.append(str(e))
+    newest: dict[int, tuple[Checkpoint, dict[str, np.ndarray]]] = {}
+    by_pserver: dict[int, list[Checkpoint]] = {}
+    for c in scan(directory):
+        by_pserver.setdefault(c.pserver_id, []).append(c)
+    for pserver_id, checkpoints in by_pserver.items():
+        for c in reversed(checkpoints):
+            try:
+                newest[pserver_id] = (c, c.load())
+                break
+            except CheckpointError as e:
+                problems.append(f"{e}; using an older one")
+    return newest, problems
+
+
+def assemble(
+    wanted: Iterable[tuple[str, str, int | None, tuple[int, ...], np.dtype]],
+    sources: Iterable[tuple[Checkpoint, Mapping[str, np.ndarray]]],
+) -> dict[str, np.ndarray]:
+    """Each wanted variable (name, origin, row offset or None, shape, dtype) built from
+    the rows of its origin that the checkpoints hold. Raises CheckpointError naming
+    what is missing."""
+    pieces: dict[str, list[tuple[Piece, np.ndarray]]] = {}
+    for checkpoint, values in sources:
+        for piece in checkpoint.pieces:
+            pieces.setdefault(piece.origin, []).append((piece, values[piece.name]))
+    out = {}
+    for name, origin, offset, shape, dtype in wanted:
+        found = pieces.get(origin, [])
+        if not found:
+            raise CheckpointError(f"no checkpoint holds {origin!r} (needed for {name!r})")
+        whole = next((value for piece, value in found if piece.offset is None), None)
+        rows = shape[0] if shape else 1
+        if whole is not None:
+            value = whole if offset is None else whole[offset : offset + rows]
+        elif offset is None:
+            value = _concat_rows(origin, found)
+        else:
+            value = _rows(origin, found, offset, rows)
+        value = np.asarray(value)
+        if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
+            raise CheckpointError(
+                f"checkpoint value for {name!r} (from {origin!r}) is {value.dtype}{list(value.shape)}, "
+                f"the program needs {np.dtype(dtype)}{list(shape)}"
+            )
+        out[name] = np.array(value, copy=True)
+    return out
+
+
+def merge(sources: Iterable[tuple[Checkpoint, Mapping[str, np.ndarray]]]) -> dict[str, np.ndarray]:
+    """Whole variables of the original program from pserver checkpoints' pieces."""
+    sources = list(sources)
+    origins: dict[str, list[tuple[Piece, np.ndarray]]] = {}
+    for checkpoint, values in sources:
+        for piece in checkpoint.pieces:
+            origins.setdefault(piece.origin, []).append((piece, values[piece.name]))
+    out = {}
+    for origin, found in origins.items():
+        whole = next((value for piece, value in found if piece.offset is None), None)
+        out[origin] = np.array(whole if whole is not None else _concat_rows(origin, found), copy=True)
+    return out
+
+
+def _rows(origin: str, found: list[tuple[Piece, np.ndarray]], offset: int, rows: int) -> np.ndarray:
+    """Rows [offset, offset + rows) of `origin` from its sliced pieces; where pieces overlap
+    (checkpoints of two job layouts), the first in `found` (the newest) wins."""
+    sliced = [(p, v) for p, v in found if p.offset is not None]
+    parts, at, end = [], offset, offset + rows
+    while at < end:
+        covering = next(((p, v) for p, v in sliced if p.offset <= at < p.offset + p.rows), None)
+        if covering is None:
+            raise CheckpointError(
+                f"the checkpoints do not hold row {at} of {origin!r} (rows {offset}..{end - 1} are needed)"
+            )
+        piece, value = covering
+        stop = min(piece.offset + piece.rows, end)
+        parts.append(value[at - piece.offset : stop - piece.offset])
+        at = stop
+    return np.concatenate(parts) if parts else np.zeros((0,))
+
+
+def _concat_rows(origin: str, found: list[tuple[Piece, np.ndarray]]) -> np.ndarray:
+    total = max(p.offset + p.rows for p, _ in found if p.offset is not None)
+    return _rows(origin, found, 0, total)
+
+
+def _parse(path: Path) -> Checkpoint:
+    where = f"checkpoint manifest {path}"
+    try:
+        body = json.loads(path.read_text())
+        if body.get("format") != FORMAT or body.get("version") != 1:
+            raise CheckpointError(f"{where} is not a version 1 {FORMAT} manifest")
+        pieces = []
+        for item in body["vars"]:
+            offset = item["offset"]
+            shape = tuple(int(d) for d in item["shape"])
+            if not isinstance(item["name"], str) or not isinstance(item["origin"], str):
+                raise TypeError("names must be strings")
+            if offset is not None and (not isinstance(offset, int) or offset < 0):
+                raise ValueError(f"bad offset {offset!r}")
+            if any(d < 0 for d in shape) or math.prod(shape) > 1 << 40:
+                raise ValueError(f"bad shape {list(shape)}")
+            np.dtype(item["dtype"])
+            pieces.append(Piece(item["name"], item["origin"], offset, item["dtype"], shape))
+        data = body["data"]
+        if Path(data["file"]).name != data["file"]:
+            raise ValueError(f"the data file {data['file']!r} must be in the checkpoint directory")
+        return Checkpoint(
+            path,
+            int(body["pserver_id"]),
+            int(body["count"]),
+            int(body["step"]),
+            tuple(pieces),
+            data["file"],
+            int(data["bytes"]),
+            str(data["sha256"]),
+            str(body.get("reason", "")),
+            float(body.get("created", 0.0)),
+        )
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from None
+
+
+def merge_checkpoints(
+    checkpoint_dir: str | os.PathLike, dirname: str | os.PathLike | None = None
+) -> dict[str, np.ndarray]:
+    """The whole variables of a job's model, from the newest intact checkpoint of each of
+    its pservers; with `dirname`, also saved there one file per variable in Paddle's
+    format (fluidps.io.load_persistables / load_vars read it, into a job of any size).
+    Raises CheckpointError when there is none, or rows of a variable are missing."""
+    found, problems = latest(checkpoint_dir)
+    if not found:
+        detail = f" ({'; '.join(problems)})" if problems else ""
+        raise CheckpointError(f"no intact pserver checkpoint in {checkpoint_dir}{detail}")
+    sources = sorted(found.values(), key=lambda cv: cv[0].created, reverse=True)
+    values = merge(sources)
+    if dirname is not None:
+        out = Path(dirname)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, value in values.items():
+            if Path(name).name != name or name in (".", ".."):
+                raise CheckpointError(f"variable {name!r} cannot be saved to its own file")
+            write_atomic(str(out / name), lod_tensor_chunks(value, what=f"variable {name!r}"), sync_dir=False)
+        fsync_dir(str(out))
+    return values
+
+
+def describe(checkpoint: Checkpoint) -> dict[str, Any]:
+    return {
+        "pserver_id": checkpoint.pserver_id,
+        "count": checkpoint.count,
+        "step": checkpoint.step,
+        "reason": checkpoint.reason,
+        "vars": len(checkpoint.pieces),
+        "bytes": checkpoint.data_bytes,
+        "file": checkpoint.data_file,
+    }
