@@ -6,7 +6,7 @@ import click
 
 from fluidps.cli.common import CHECK_FAILED, fail
 from fluidps.errors import CheckpointError, Error
-from fluidps.io.checkpoints import merge_checkpoints, scan
+from fluidps.io.checkpoints import latest, merge_checkpoints, scan
 
 
 @click.group()
@@ -20,9 +20,13 @@ def list_checkpoints(directory: str) -> None:
     """Every checkpoint in DIR, newest last, each verified against its checksum.
     Exits with 1 when one is corrupt or incomplete."""
     found = scan(directory)
-    if not found:
+    _, problems = latest(directory)
+    unreadable = [p for p in problems if p.startswith("checkpoint manifest")]
+    if not found and not unreadable:
         fail(f"{directory} holds no pserver checkpoint")
-    bad = 0
+    bad = len(unreadable)
+    for problem in unreadable:
+        click.echo(f"BAD: {problem}")
     for c in found:
         try:
             c.load()

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
+import time
+from collections.abc import Callable
 from types import FrameType
 
 import click
@@ -75,6 +79,12 @@ def _settings(keys: str | None, insecure: bool, peer_timeout: float | None) -> R
     show_default=True,
     help="--role coordinator: failures a task may have before it is discarded.",
 )
+@click.option(
+    "--parent-pid",
+    type=int,
+    hidden=True,
+    help="Stop serving when the process with this pid (the one that started this server) is gone.",
+)
 def serve(
     endpoint: str,
     name: str | None,
@@ -87,6 +97,7 @@ def serve(
     snapshot: str | None,
     task_timeout: float,
     max_task_failures: int,
+    parent_pid: int | None,
 ) -> None:
     """Serve programs until told to stop (SIGTERM or a client's SHUTDOWN).
 
@@ -118,9 +129,24 @@ def serve(
         server.stop()
 
     signal.signal(signal.SIGTERM, stop)
+    if parent_pid is not None:
+        _stop_when_orphaned(parent_pid, server.stop)
     click.echo(f"{server.name}{READY}{server.address}")
     sys.stdout.flush()
     server.serve_forever()
+
+
+def _stop_when_orphaned(parent_pid: int, stop: Callable[[], None]) -> None:
+    """A server whose client was killed before it could close the job (SIGKILL, a
+    SIGTERM without cleanup) must not outlive it: when the parent is gone, stop."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        print(f"the process that started this server ({parent_pid}) is gone: stopping", flush=True)
+        stop()
+
+    threading.Thread(target=watch, name="parent watch", daemon=True).start()
 
 
 def _serve_pserver(program_file: str | None, startup_file: str | None, settings: RpcSettings) -> None:

@@ -88,6 +88,27 @@ class JobServers:
             self.servers.append(Server(role, i, client, process))
         self.call_all({s.client: Message(Kind.HELLO) for s in self.servers})
 
+    def start_coordinator(self, job: JobDesc) -> str:
+        """Start the job's coordinator on this machine (its state in the log directory);
+        its address. Stopped with the job."""
+        process = ServerProcess(
+            "coordinator",
+            job.host,
+            self.log_dir / "coordinator.log",
+            job.keys_dir,
+            job.insecure,
+            job.peer_timeout,
+            threads=1,
+            role="coordinator",
+            extra_args=["--snapshot", str(self.log_dir / "coordinator.json")],
+        )
+        self.processes.append(process)
+        address = process.wait_ready(job.start_timeout)
+        client = RpcClient(self.context, address, "the coordinator", self.settings)
+        self.servers.append(Server("coordinator", 0, client, process))
+        self.call_all({client: Message(Kind.HELLO)})
+        return address
+
     def role(self, role: str) -> list[Server]:
         return [s for s in self.servers if s.role == role]
 
@@ -119,7 +140,7 @@ class JobServers:
             return []
         self._closed = True
         problems: list[str] = []
-        for role in ("trainer", "pserver"):
+        for role in ("trainer", "pserver", "coordinator"):
             group = self.role(role)
             ending = {s.client: Message(Kind.SHUTDOWN if s.process else Kind.RESET) for s in group}
             try:

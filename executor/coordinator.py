@@ -84,7 +84,8 @@ class Coordinator:
                 if self.queue is not None and self.queue.pending:
                     expired = self.queue.expire(time.monotonic())
                     for lease, outcome in expired:
-                        self._report_failure(lease, "timed out", outcome)
+                        why = f"timed out after {self.queue.timeout:g} s without word from its trainer"
+                        self._report_failure(lease, why, outcome)
                     if expired:
                         self._save()
         finally:
@@ -102,6 +103,9 @@ class Coordinator:
         try:
             if msg.kind == Kind.HELLO:
                 self.server.reply(request)
+            elif msg.kind == Kind.SHUTDOWN:
+                self.server.reply(request)
+                self.stop()
             elif msg.kind == Kind.STATUS:
                 self.server.reply(request, Message(Kind.VALUES, text=json.dumps(self.status())))
             elif msg.kind == Kind.TASK_GET:
@@ -133,11 +137,11 @@ class Coordinator:
             )
         queue = self.queue
         assert queue is not None
-        before = (queue.pass_index, set(queue.failures.items()))
-        got = queue.acquire(msg.trainer_id, f"{msg.sender:x}", time.monotonic())
-        if before[1] != set(queue.failures.items()):
-            self.log(f"trainer {msg.trainer_id} restarted: the task it held goes back to the queue")
-        self._after_change(before[0])
+        pass_before, worker = queue.pass_index, f"{msg.sender:x}"
+        for lease, outcome in queue.replaced(msg.trainer_id, worker):
+            self._report_failure(lease, f"trainer {msg.trainer_id} restarted while it held the task", outcome)
+        got = queue.acquire(msg.trainer_id, worker, time.monotonic())
+        self._after_change(pass_before)
         if isinstance(got, str):
             return Message(Kind.NO_TASK, text=got)
         task = queue.tasks[got.task]

@@ -33,7 +33,9 @@ class Member:
     sender: int = 0  # 0: not heard from yet
     state: str = LIVE
     clock: int = 0
-    last_step: int | None = None  # the trainer's own step of its last SEND
+    # The trainer's own step of its last SEND; None after it rejoined or resumed, when
+    # its next SEND counts as one step (its clock was set level with the slowest).
+    last_step: int | None = 0
     evicted: set[int] = field(default_factory=set)  # incarnations refused from now on
 
 

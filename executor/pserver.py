@@ -113,6 +113,7 @@ class ParameterServer:
         self.served = {n for n, v in program.global_block().vars.items() if v.persistable}
         self.members = Membership(self.fanin, elastic=runtime.settings.elastic)
         self.arrived: set[int] = set()  # sync: send barriers of the current step
+        self.sent: set[int] = set()  # sync: trainers whose gradients of the current step arrived
         self.awaiting: dict[int, int] = {}  # sync: the step each trainer's next GET waits for
         self.completed = 0  # sync: optimization steps done
         self.clock_log: list[dict[str, Any]] = []
@@ -125,9 +126,11 @@ class ParameterServer:
         self.lock_of = {name: self.locks[i] for i in self.blocks for name in self.blocks[i].writes}
         # Checkpoints: which rows of which original variable each persistable here is.
         names, origins = op.attr("checkpoint_vars"), op.attr("checkpoint_origins")
-        offsets = op.attr("checkpoint_offsets")
+        offsets, heights = op.attr("checkpoint_offsets"), op.attr("checkpoint_origin_rows")
+        heights = heights or [-1] * len(names)  # programs transpiled before heights were recorded
         self.placements = {
-            n: (o, None if off < 0 else off) for n, o, off in zip(names, origins, offsets, strict=True)
+            n: (o, None if off < 0 else off, None if rows < 0 else rows)
+            for n, o, off, rows in zip(names, origins, offsets, heights, strict=True)
         }
         self.policy = CheckpointPolicy(op)
         self.store = (
@@ -136,6 +139,7 @@ class ParameterServer:
             else None
         )
         self.checkpoints: list[dict[str, Any]] = []
+        self.restored_step: int | None = None  # the step of the checkpoints it started from
         self._last_checkpoint = (0, time.monotonic())  # (step, when)
         self._stop_reason: str | None = None
         self._stop = threading.Event()
@@ -177,8 +181,8 @@ class ParameterServer:
             self._stop.set()
             for worker in workers:
                 worker.join(timeout=10)
-            if self.store is not None:
-                self._checkpoint(self._stop_reason or "end")
+            if self.store is not None and self._steps() > self._last_checkpoint[0]:
+                self._checkpoint(self._stop_reason or "end")  # unless nothing changed since the last one
         finally:
             self._stop.set()
             for worker in workers:
@@ -210,11 +214,13 @@ class ParameterServer:
             "completed_steps": self.completed,
             "clocks": {str(t): m.clock for t, m in self.members.members.items()},
             "trainers": {str(t): m.state for t, m in self.members.members.items()},
-            "clock_log": self.clock_log,
+            "clock_log": list(self.clock_log),  # copies: a snapshot, not the live lists
             "live_trainers": sorted(self.members.live),
+            "deferred_gets": len(self.deferred),
             "rejected": self.server.rejected if self.server else 0,
-            "received_rows": self.received_rows,
-            "checkpoints": self.checkpoints,
+            "received_rows": {grad: list(rows) for grad, rows in self.received_rows.items()},
+            "checkpoints": list(self.checkpoints),
+            "restored_step": self.restored_step,
             "log": self.log_lines + self.members.events,
         }
 
@@ -283,6 +289,7 @@ class ParameterServer:
                 self.received_rows.setdefault(grad, []).extend(int(r) for r in value.rows)
             if self.mode == "sync":
                 self.env[f"{grad}.trainer_{msg.trainer_id}"] = value
+                self.sent.add(msg.trainer_id)
             else:
                 self.blocks[self.queue_block[grad]].run({grad: value, RUNTIME_KEY: self.runtime})
         if self.mode != "sync" and self.members.tick(msg.trainer_id, msg.step):
@@ -291,10 +298,11 @@ class ParameterServer:
                 {"t": time.monotonic(), "event": "clock", "trainer": msg.trainer_id, "step": clock}
             )
             if clock > self.max_step:
-                self.max_step = clock
-                if self.lr_block is not None:
-                    # Without global steps, the schedule advances with the furthest trainer.
+                # Without global steps, the schedule advances with the furthest trainer, a
+                # step at a time (a trainer uploading every n steps moves it n steps).
+                for _ in range(clock - self.max_step if self.lr_block is not None else 0):
                     self.lr_block.run(self.env)
+                self.max_step = clock
         self.server.reply(request)
 
     def _on_send_barrier(self, request: Request) -> None:
@@ -307,21 +315,23 @@ class ParameterServer:
     def _maybe_optimize(self) -> None:
         if self.mode != "sync" or not self.arrived or not self.members.live <= self.arrived:
             return
-        missing = set(range(self.fanin)) - self.arrived
-        if missing:
-            # Trainers that sent nothing this step (paused, done, evicted) count as the mean
-            # of those that did, so the optimize blocks' sum / trainers is their mean.
-            for grad in self.grad_block:
-                sent = [self.env[f"{grad}.trainer_{t}"] for t in sorted(self.arrived)]
-                mean = _mean(sent)
+        contributors = self.arrived & self.sent
+        if contributors:
+            missing = set(range(self.fanin)) - contributors
+            # Trainers that sent no gradients this step (paused, done, evicted, or at the
+            # barrier with no batch) count as the mean of those that did, so the optimize
+            # blocks' sum / trainers is the mean of the gradients that came.
+            for grad in self.grad_block if missing else ():
+                mean = _mean([self.env[f"{grad}.trainer_{t}"] for t in sorted(contributors)])
                 for t in missing:
                     self.env[f"{grad}.trainer_{t}"] = mean
-        if self.lr_block is not None:
-            self.lr_block.run(self.env)
-        for block in sorted(self.blocks):
-            self.blocks[block].run(self.env)
-        self.completed += 1
+            if self.lr_block is not None:
+                self.lr_block.run(self.env)
+            for block in sorted(self.blocks):
+                self.blocks[block].run(self.env)
+        self.completed += 1  # (a step nobody brought gradients to changes nothing)
         self.arrived.clear()
+        self.sent -= contributors
 
     # -- trainers coming and going ------------------------------------------------------------
 
@@ -487,7 +497,7 @@ class ParameterServer:
             self.log(f"no checkpoint in {self.store.directory}: starting from the startup program's values")
             return
         wanted = []
-        for name, (origin, offset) in self.placements.items():
+        for name, (origin, offset, _) in self.placements.items():
             value = np.asarray(self.env[name])
             wanted.append((name, origin, offset, value.shape, value.dtype))
         # Newest first, so that rows held by several checkpoints come from the latest one.
@@ -502,6 +512,7 @@ class ParameterServer:
         else:
             self.max_step = step
         self._last_checkpoint = (step, time.monotonic())
+        self.restored_step = step
         used = ", ".join(f"pserver {c.pserver_id} #{c.count} (step {c.step})" for c, _ in sources)
         self.log(
             f"restored {len(values)} variables at step {step} from {used} in {self.store.directory}; "
@@ -515,8 +526,12 @@ class ParameterServer:
         runner, lock = self.blocks[block], self.locks[block]
 
         def work() -> None:
-            while not self._stop.is_set():
+            # Until told to stop and the queue is empty: a gradient acknowledged to its
+            # trainer is applied, even when that trainer has just said it is done.
+            while True:
                 if not queue.wait(0.05):
+                    if self._stop.is_set():
+                        return
                     continue
                 try:
                     with lock:

@@ -16,12 +16,20 @@ the fed batch is split along dim 0 across the trainers, which run
 concurrently; a scalar fetch comes back as the batch-weighted mean over
 trainers, a per-example fetch (leading dim -1) concatenated, anything else
 as trainer 0 computed it.
+
+A training program with a dataset reader (layers.dataset_reader) is not fed:
+deploying it also starts a coordinator, and each run is a step of every
+trainer that has a batch of its tasks; a trainer waiting for a task at the end
+of a pass takes part without gradients, and once every pass is done, run
+raises EOFException. When the pservers start from checkpoints in the job's
+checkpoint_dir, the job resumes from those instead of the client's values.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -30,16 +38,18 @@ from typing import Any
 
 import numpy as np
 
-from fluidps.errors import BuilderError, Error, ExecutionError, UnsupportedError
+from fluidps.errors import BuilderError, EOFException, Error, ExecutionError, UnsupportedError
 from fluidps.executor.cluster import JobServers
 from fluidps.executor.executor import Executor, FetchTarget, _fetch_name
 from fluidps.executor.remote_scope import RemoteScope
 from fluidps.executor.rpc import RpcClient, RpcSettings, wait_all
 from fluidps.executor.scope import Scope
 from fluidps.executor.security import Security
+from fluidps.executor.server import REFRESH
 from fluidps.executor.wire import Kind, Message
 from fluidps.ir.program import Program
 from fluidps.ir.types import OpRole
+from fluidps.ops.selected_rows import SelectedRows
 from fluidps.transpiler.analysis import role, role_params
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler, parse_endpoints
@@ -111,6 +121,8 @@ class Deployment:
     trainers: list[RpcClient]  # trainer i's executor server
     trainer_persistables: frozenset[str]
     steps: int = 0
+    reads: bool = False  # the trainers read a dataset through the coordinator's tasks
+    finished: set[RpcClient] = field(default_factory=set)  # trainers whose reader is done
 
 
 class RemoteExecutor:
@@ -183,10 +195,18 @@ class RemoteExecutor:
                 "this job already trains another program; one RemoteExecutor runs one training program"
             )
         checked = self._local.prepare(program, feed.keys(), fetch_names).check_feeds(feed)
+        if d.reads:
+            return self._read_step(program, d, checked, fetch_names)
         parts = _split_feed(checked, len(d.trainers))
+        replies = self._step(d, dict(zip(d.trainers, parts, strict=True)), fetch_names)
+        sizes = [_batch_size(part) for part in parts]
+        values = [[replies[t].tensors[n] for n in fetch_names] for t in d.trainers]
+        return [_combine(program, name, [v[k] for v in values], sizes) for k, name in enumerate(fetch_names)]
+
+    def _step(self, d: Deployment, feeds: dict[RpcClient, dict], fetch_names: list[str]) -> dict:
+        """One step on the given trainers, concurrently; a failure fails the job."""
         requests = {
-            t: Message(Kind.RUN, text="trainer", tensors=part, names=fetch_names)
-            for t, part in zip(d.trainers, parts, strict=True)
+            t: Message(Kind.RUN, text="trainer", tensors=feed, names=fetch_names) for t, feed in feeds.items()
         }
         self.scope.invalidate()
         try:
@@ -195,8 +215,31 @@ class RemoteExecutor:
             self._failed = f"step {d.steps + 1}: {e}"
             raise ExecutionError(f"the job failed at step {d.steps + 1}: {e}") from None
         d.steps += 1
-        sizes = [_batch_size(part) for part in parts]
-        values = [[replies[t].tensors[n] for n in fetch_names] for t in d.trainers]
+        return replies
+
+    def _read_step(self, program: Program, d: Deployment, feed: dict, fetch_names: list[str]) -> list[Any]:
+        """A step of a job whose trainers read their batches from the coordinator's tasks:
+        every trainer with data steps; one with no task for now (the end of a pass) skips
+        it; once every pass is done, EOFException."""
+        deadline = time.monotonic() + self.job.peer_timeout * 6
+        while True:
+            active = [t for t in d.trainers if t not in d.finished]
+            if not active:
+                raise EOFException("every pass over the dataset is done")
+            replies = self._step(d, {t: dict(feed) for t in active}, fetch_names)
+            ran = [t for t in active if replies[t].kind == Kind.VALUES]
+            d.finished |= {
+                t for t in active if replies[t].kind == Kind.NO_TASK and replies[t].text == "finished"
+            }
+            if ran:
+                break
+            if time.monotonic() > deadline:  # every trainer waits for a task nobody holds
+                raise ExecutionError(
+                    "no trainer got a task for a long while: the coordinator holds none for them"
+                )
+            time.sleep(0.05)
+        sizes = [json.loads(replies[t].text or '{"samples": 1}')["samples"] or 1 for t in ran]
+        values = [[replies[t].tensors[n] for n in fetch_names] for t in ran]
         return [_combine(program, name, [v[k] for v in values], sizes) for k, name in enumerate(fetch_names)]
 
     # -- deploying -------------------------------------------------------------------------
@@ -234,22 +277,39 @@ class RemoteExecutor:
             observers = {
                 ep: self._servers.observe(ep, f"pserver {i} ({ep})") for i, ep in enumerate(plan.endpoints)
             }
+            reads = _reads_dataset(program)
+            if reads:  # the trainers read their batches from a coordinator's tasks
+                coordinator = self._servers.start_coordinator(job)
+                settings = Message(Kind.CONFIGURE, text=json.dumps({"coordinator": coordinator}))
+                self._servers.call_all({t.client: settings for t in trainers})
             trainer_vars = frozenset(
                 n for n, v in plan.trainer_program.global_block().vars.items() if v.persistable
             )
             d = Deployment(
-                program, plan, self._servers.settings, observers, [t.client for t in trainers], trainer_vars
+                program,
+                plan,
+                self._servers.settings,
+                observers,
+                [t.client for t in trainers],
+                trainer_vars,
+                reads=reads,
             )
-            # The job starts from the client's values: its startup's or what was loaded.
+            # The job starts from the client's values (its startup's or what was loaded),
+            # unless the pservers resumed from checkpoints in the job's checkpoint_dir.
             staged = self.scope.staging
             self.scope.deployment = d
             placed = {p.var for p in plan.placements}
-            self.scope.scatter({n: v for n in placed if (v := staged.find(n)) is not None})
+            stats = wait_all({ep: (c, c.request(Message(Kind.STATS))) for ep, c in observers.items()})
+            resumed = {json.loads(r.text)["restored_step"] for r in stats.values()} - {None}
+            if not resumed:
+                self.scope.scatter({n: v for n in placed if _is_value(v := staged.find(n))})
             for s, p in zip(trainers, plans, strict=True):
                 self._servers.call_all({s.client: _load("startup", p.trainer_startup)})
                 self._servers.call_all({s.client: _load("trainer", p.trainer_program)})
+                if reads:  # a trainer skipping a step (no batch) pulls the parameters with it
+                    self._servers.call_all({s.client: _load(REFRESH, _without_readers(p.trainer_startup))})
             self._servers.call_all({t.client: Message(Kind.RUN, text="startup") for t in trainers})
-            own = {n: v for n in trainer_vars - placed if (v := staged.find(n)) is not None}
+            own = {n: v for n in trainer_vars - placed if _is_value(v := staged.find(n))}  # not readers
             if own:
                 self.scope.scatter(own)
         except Error as e:
@@ -276,6 +336,17 @@ class RemoteExecutor:
         replies = wait_all({ep: (c, c.request(Message(Kind.STATS))) for ep, c in d.pservers.items()})
         return {ep: json.loads(r.text) for ep, r in replies.items()}
 
+    def checkpoint(self) -> dict[str, str]:
+        """Every pserver saves a checkpoint now (into the job's checkpoint_dir, set in
+        its DistributeTranspilerConfig); {pserver endpoint: its checkpoint manifest}."""
+        d = self._deployment
+        if d is None:
+            raise ExecutionError(
+                "the job has not started: run the training program once before checkpointing"
+            )
+        replies = wait_all({ep: (c, c.request(Message(Kind.CHECKPOINT))) for ep, c in d.pservers.items()})
+        return {ep: json.loads(r.text)["path"] for ep, r in replies.items()}
+
     # -- ending ----------------------------------------------------------------------------
 
     def close(self) -> list[str]:
@@ -300,6 +371,23 @@ class RemoteExecutor:
 
 def _load(name: str, program: Program) -> Message:
     return Message(Kind.LOAD, text=name, blobs=[program.serialize_to_string()])
+
+
+def _without_readers(startup: Program) -> Program:
+    """A trainer's startup program that only pulls the parameters (no reader made anew)."""
+    out = startup.clone()
+    block = out.global_block()
+    block.ops = [op for op in block.ops if op.type != "create_dataset_reader"]
+    return out
+
+
+def _reads_dataset(program: Program) -> bool:
+    return any(op.type == "read" for op in program.global_block().ops)
+
+
+def _is_value(value: Any) -> bool:
+    """A tensor that can travel (a reader object, say, cannot)."""
+    return isinstance(value, (np.ndarray, SelectedRows))
 
 
 def _trains(program: Program) -> bool:

@@ -22,6 +22,7 @@ import zmq
 
 from fluidps.errors import Error, TransportError
 from fluidps.executor.coordinator import CoordinatorClient
+from fluidps.executor.intervals import GradientSum
 from fluidps.executor.keepalive import Keepalive
 from fluidps.executor.rpc import RpcClient, RpcSettings, wait_all, zmq_address
 from fluidps.executor.security import Security
@@ -105,11 +106,14 @@ class Runtime:
         # A reader with no task now waits for one, unless a client drives this executor
         # step by step (an executor server): then it says so (NoDataYet) and returns.
         self.wait_for_tasks = True
-        self._readers: list[TaskReader] = []
+        self._readers: dict[str, TaskReader] = {}  # by READER variable
         self._context: zmq.Context | None = None
         self._clients: dict[str, RpcClient] = {}
         self._queues: dict[str, GradientQueue] = {}
         self._unsettled: list[tuple[RpcClient, int]] = []  # requests sent without waiting
+        self._sums: dict[tuple, GradientSum] = {}  # async send_interval: gradients not yet sent
+        self._barrier_endpoints: tuple[str, ...] = ()  # sync: the pservers a step's barrier goes to
+        self._downloaded: dict[tuple, list[Any]] = {}  # async recv_interval: the last values pulled
         self.servers: list[Any] = []  # pserver loops this process ran (their stats outlive them)
 
     @property
@@ -170,9 +174,20 @@ class Runtime:
         replies = wait_all({**settle, **issued})
         return {endpoint: replies[endpoint] for endpoint in issued}
 
-    def send(self, items: Sequence[tuple[str, str, Any]], trainer_id: int) -> None:
+    def send(self, items: Sequence[tuple[str, str, Any]], trainer_id: int, every: int = 1) -> None:
         """Push (endpoint, name, value) gradients, one message per pserver, without
-        waiting (at most one step's worth is unacknowledged at a time)."""
+        waiting (at most one step's worth is unacknowledged at a time). With every=n,
+        the mean of the gradients of n calls is pushed at every n-th call."""
+        if every > 1:
+            key = tuple((endpoint, name) for endpoint, name, _ in items)
+            total = self._sums.setdefault(key, GradientSum(trainer_id, key))
+            total.add([value for *_, value in items])
+            if total.count < every:
+                return
+            items = total.take_mean()
+        self._push(items, trainer_id)
+
+    def _push(self, items: Sequence[tuple[str, str, Any]], trainer_id: int) -> None:
         self.settle()
         requests: dict[str, Message] = {}
         for endpoint, name, value in items:
@@ -180,8 +195,18 @@ class Runtime:
             msg.tensors[name] = value
         self._exchange(requests, trainer_id, wait=False)
 
-    def get(self, items: Sequence[tuple[str, str]], trainer_id: int) -> list[Any]:
-        """Pull (endpoint, name) values after this trainer's current step."""
+    def get(self, items: Sequence[tuple[str, str]], trainer_id: int, every: int = 1) -> list[Any]:
+        """Pull (endpoint, name) values after this trainer's current step; with every=m,
+        only at steps that are multiples of m (and the first time), the last ones otherwise."""
+        key = tuple(items)
+        if every > 1 and key in self._downloaded and self.step % every:
+            return self._downloaded[key]
+        values = self._pull(items, trainer_id)
+        if every > 1:
+            self._downloaded[key] = values
+        return values
+
+    def _pull(self, items: Sequence[tuple[str, str]], trainer_id: int) -> list[Any]:
         requests: dict[str, Message] = {}
         for endpoint, name in items:
             msg = requests.setdefault(endpoint, Message(Kind.GET, trainer_id=trainer_id, step=self.step))
@@ -197,8 +222,21 @@ class Runtime:
 
     def barrier(self, kind: int, endpoints: Sequence[str], trainer_id: int) -> None:
         """The send barrier waits (for it and the sends before it); the fetch barrier does not."""
+        self._barrier_endpoints = tuple(endpoints) if kind == Kind.SEND_BARRIER else self._barrier_endpoints
         requests = {ep: Message(kind, trainer_id=trainer_id, step=self.step) for ep in endpoints}
         self._exchange(requests, trainer_id, wait=kind != Kind.FETCH_BARRIER)
+
+    def skip_step(self) -> None:
+        """Take part in a step without gradients (this trainer had no batch), so that no
+        pserver waits for it: in sync mode its barrier arrives and the step goes on with
+        the others' gradients; otherwise an empty SEND moves its clock (SSP) with theirs."""
+        if self._barrier_endpoints:
+            self.barrier(Kind.SEND_BARRIER, self._barrier_endpoints, self.trainer_id)
+        elif self._clients:
+            requests = {
+                ep: Message(Kind.SEND, trainer_id=self.trainer_id, step=self.step) for ep in self._clients
+            }
+            self._exchange(requests, self.trainer_id, wait=True)
 
     def pause(self) -> None:
         """Tell every pserver this trainer has no data for now: until it sends again, no
@@ -209,10 +247,20 @@ class Runtime:
 
     # -- reading ------------------------------------------------------------------------------
 
-    def open_reader(self, spec: ReaderSpec) -> TaskReader:
+    def open_reader(self, name: str, spec: ReaderSpec) -> TaskReader:
+        """A new reader for the READER variable `name`, closing the one it replaces."""
         reader = TaskReader(spec)
-        self._readers.append(reader)
+        previous = self._readers.pop(name, None)
+        if previous is not None:
+            previous.close()
+        self._readers[name] = reader
         return reader
+
+    def samples_read(self) -> int | None:
+        """Records the readers handed out in the last step (None: this runtime has no reader)."""
+        if not self._readers:
+            return None
+        return sum(r.last_batch for r in self._readers.values())
 
     def coordinator_client(self) -> CoordinatorClient:
         if self.coordinator is None:
@@ -241,9 +289,16 @@ class Runtime:
         In an elastic job a trainer leaving before its reader saw the end of the data
         (it failed) says it pauses instead: the pservers go on without it, and a
         restarted process takes its place."""
-        leaving = self.settings.elastic and any(r.reading for r in self._readers)
+        leaving = self.settings.elastic and any(r.reading for r in self._readers.values())
         problems = []
-        for reader in self._readers:  # its last task: done, or given back
+        for total in self._sums.values():  # the steps since the last upload count too
+            if total.count:
+                try:
+                    self._push(total.take_mean(), total.trainer_id)
+                except TransportError as e:
+                    problems.append(f"the last {total.count} step(s) of gradients were not sent: {e}")
+        self._sums.clear()
+        for reader in self._readers.values():  # its last task: done, or given back
             try:
                 reader.close()
             except Error as e:

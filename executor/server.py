@@ -18,11 +18,14 @@ from typing import Any
 
 import zmq
 
-from fluidps.errors import Error
+from fluidps.errors import EOFException, Error, NoDataYet
 from fluidps.executor.executor import Executor
 from fluidps.executor.rpc import Request, RpcServer, RpcSettings
 from fluidps.executor.wire import Kind, Message
 from fluidps.ir.program import Program
+
+# The program a trainer runs after skipping a step: its startup's recv, without readers.
+REFRESH = "refresh"
 
 
 @dataclass
@@ -99,6 +102,9 @@ class ExecutorServer:
                     raise Error("LOAD needs a program name and one blob holding its bytes")
                 self.programs[msg.text] = Program.parse_from_string(msg.blobs[0])
                 self.server.reply(request)
+            elif msg.kind == Kind.CONFIGURE:
+                self._configure(msg.text)
+                self.server.reply(request)
             elif msg.kind == Kind.RUN:
                 self._program(msg.text)
                 self._waiting.append(request)
@@ -126,6 +132,19 @@ class ExecutorServer:
                 raise Error(f"{self.name} does not handle {msg.kind_name} messages")
         except Error as e:
             self.server.error(request, f"{self.name}: {e}")
+
+    def _configure(self, text: str) -> None:
+        """The job's coordinator: this executor's readers take their tasks from it, and,
+        driven step by step by a client, return (NO_TASK) rather than wait for one."""
+        try:
+            settings = json.loads(text)
+        except ValueError:
+            settings = None
+        address = settings.get("coordinator") if isinstance(settings, dict) and len(settings) == 1 else None
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+            raise Error(f'CONFIGURE takes {{"coordinator": "tcp://host:port"}}, got {text[:200]!r}')
+        self.exe.runtime.coordinator = address
+        self.exe.runtime.wait_for_tasks = False
 
     def _program(self, name: str) -> Program:
         if name not in self.programs:
@@ -175,6 +194,20 @@ class ExecutorServer:
             try:
                 values = self.exe.run(self.programs[msg.text], feed=msg.tensors, fetch_list=msg.names)
                 job.result["values"] = dict(zip(msg.names, values, strict=True))
+                job.result["samples"] = self.exe.runtime.samples_read() if self.exe._runtime else None
+            except NoDataYet:
+                # No batch for this trainer now: it takes part in the step without gradients
+                # (nobody waits for it) and pulls the parameters as the others do.
+                self.exe.runtime.skip_step()
+                if REFRESH in self.programs:
+                    self.exe.run(self.programs[REFRESH])
+                job.result["no_task"] = "wait"
+            except EOFException:
+                # Done reading: no barrier or SSP bound of a trainer still in its last step may
+                # wait for this one. It pauses (the pservers keep serving the client, who may
+                # read the trained values) and says it is done when the job closes.
+                self.exe.runtime.pause()
+                job.result["no_task"] = "finished"
             except Error as e:
                 job.result["error"] = str(e)
             except Exception as e:  # a bug: report it with its trace rather than die silently
@@ -194,8 +227,12 @@ class ExecutorServer:
         self._job = None
         if "error" in job.result:
             self.server.error(job.request, f"{self.name}: {job.result['error']}")
+        elif "no_task" in job.result:  # a reader with nothing for this step, or done for good
+            self.server.reply(job.request, Message(Kind.NO_TASK, text=job.result["no_task"]))
         else:
-            self.server.reply(job.request, Message(Kind.VALUES, tensors=job.result["values"]))
+            samples = job.result.get("samples")
+            text = json.dumps({"samples": samples}) if samples is not None else ""
+            self.server.reply(job.request, Message(Kind.VALUES, tensors=job.result["values"], text=text))
         self._start_job()
 
     def _wake_loop(self) -> None:

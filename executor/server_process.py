@@ -32,11 +32,14 @@ class ServerProcess:
         insecure: bool = False,
         peer_timeout: float | None = None,
         threads: int | None = None,
+        role: str = "executor",
+        extra_args: list[str] | None = None,
     ):
         self.name = name
         self.log_path = log_path
         address = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
         command = [sys.executable, "-m", "fluidps", "serve", "--endpoint", address, "--name", name]
+        command += ["--role", role, "--parent-pid", str(os.getpid()), *(extra_args or [])]
         if keys_dir:
             command += ["--keys", str(keys_dir)]
         if insecure:

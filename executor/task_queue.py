@@ -82,14 +82,19 @@ class TaskQueue:
     def finished(self) -> bool:
         return self.pass_index >= self.config.passes
 
+    def replaced(self, trainer: int, worker: str) -> list[tuple[Lease, str]]:
+        """Fail the leases an earlier process of this trainer id held (it restarted):
+        [(lease, "requeued" or "discarded")]."""
+        old = [le for le in self.pending.values() if le.trainer == trainer and le.worker != worker]
+        return [(le, self._failed(le, f"trainer {trainer} restarted while it held the task")) for le in old]
+
     def acquire(self, trainer: int, worker: str, now: float) -> Lease | str:
         """A lease on the next task, the same lease again if this worker already holds one,
         "wait" (the pass ends once the pending tasks finish) or "finished"."""
         self.expire(now)
-        for lease in list(self.pending.values()):
-            if lease.trainer == trainer and lease.worker != worker:
-                self._failed(lease, f"trainer {trainer} restarted while it held the task")
-            elif lease.worker == worker:
+        self.replaced(trainer, worker)
+        for lease in self.pending.values():
+            if lease.worker == worker:
                 return lease
         if self.finished:
             return "finished"

@@ -11,7 +11,10 @@ the same tasks in the same order.
 When the coordinator says "wait" (the pass ends once other trainers finish
 their tasks) the reader pauses this trainer at the pservers, so that no
 barrier waits for it, and asks again; an executor driven step by step by a
-RemoteExecutor raises NoDataYet instead of blocking. When every pass is done
+RemoteExecutor raises NoDataYet instead, and skips the step without data
+(Runtime.skip_step), keeping in step with the other trainers. (A trainer resuming
+computes its first step on the parameters it last received, a few steps old:
+the staleness of one pass boundary.) When every pass is done
 it raises EOFException, and training loops end, as in Fluid.
 """
 
@@ -78,6 +81,11 @@ class TaskReader:
         self.exhausted = False  # every pass is done (EOFException raised)
 
     @property
+    def last_batch(self) -> int:
+        """Records in the batch handed out last."""
+        return self._batch
+
+    @property
     def reading(self) -> bool:
         """Started reading and not at the end: a trainer stopping now leaves data unread."""
         return self._source is not None and not self.exhausted
@@ -99,11 +107,11 @@ class TaskReader:
                     f"the reader of {self.spec.dataset} is done: {self.spec.passes} pass(es) over the dataset"
                 )
             if got == "wait":
+                if not runtime.wait_for_tasks:  # the executor skips the step (Runtime.skip_step)
+                    raise NoDataYet("no task for this trainer now: the others are finishing the pass")
                 if not self._paused:
                     runtime.pause()
                     self._paused = True
-                if not runtime.wait_for_tasks:
-                    raise NoDataYet("no task for this trainer now: the others are finishing the pass")
                 time.sleep(WAIT_POLL_S)
                 continue
             self._paused = False

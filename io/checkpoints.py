@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,6 +42,14 @@ FORMAT = "fluidps-pserver-checkpoint"
 _NAME = re.compile(r"pserver-(\d+)-(\d+)\.json")
 
 
+class Placement(NamedTuple):
+    """Which variable of the original program a pserver variable is (part of)."""
+
+    origin: str
+    offset: int | None = None  # its first row there; None: all of it
+    origin_rows: int | None = None  # rows of the whole original variable, when known
+
+
 @dataclass(frozen=True)
 class Piece:
     """Rows [offset, offset + rows) of the original variable `origin` (offset None: all of it)."""
@@ -51,10 +59,15 @@ class Piece:
     offset: int | None
     dtype: str
     shape: tuple[int, ...]
+    origin_rows: int | None = None  # rows of the whole original variable, when known
 
     @property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
+
+    @property
+    def first(self) -> int:
+        return self.offset or 0
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,9 @@ class Checkpoint:
         try:
             for piece in self.pieces:
                 array, _ = reader.read_lod_tensor(f"variable {piece.name!r}")
-                if array.shape != piece.shape or array.dtype.str != np.dtype(piece.dtype).str:
+                if array.shape != piece.shape or array.dtype.newbyteorder("<") != np.dtype(
+                    piece.dtype
+                ).newbyteorder("<"):
                     raise CheckpointError(
                         f"checkpoint {self.path.name}: {piece.name!r} is {array.dtype}{list(array.shape)}, "
                         f"the manifest says {piece.dtype}{list(piece.shape)}"
@@ -123,12 +138,14 @@ class CheckpointStore:
     def save(
         self,
         values: Mapping[str, np.ndarray],
-        placements: Mapping[str, tuple[str, int | None]],
+        placements: Mapping[str, tuple],
         step: int,
         reason: str,
     ) -> Checkpoint:
         """Write checkpoint count + 1 of `values` (name -> array), where `placements` says
-        which original variable and row offset each one is; older ones beyond `keep` go."""
+        which original variable each one is (part of): name -> Placement or a tuple
+        (origin, offset[, origin_rows]); a name not there is a whole variable of its own.
+        Older checkpoints of this pserver beyond `keep` are removed."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -139,8 +156,9 @@ class CheckpointStore:
         pieces, chunks = [], []
         for name, value in values.items():
             array = np.asarray(value)
-            origin, offset = placements.get(name, (name, None))
-            pieces.append(Piece(name, origin, offset, array.dtype.str, tuple(array.shape)))
+            origin, offset, origin_rows = Placement(*placements.get(name, (name,)))
+            stored = array.dtype.newbyteorder("<").str  # Paddle's format is little-endian
+            pieces.append(Piece(name, origin, offset, stored, tuple(array.shape), origin_rows))
             chunks += lod_tensor_chunks(array, what=f"variable {name!r}")
         digest = hashlib.sha256()
         for chunk in chunks:
@@ -160,6 +178,7 @@ class CheckpointStore:
                         "name": p.name,
                         "origin": p.origin,
                         "offset": p.offset,
+                        "origin_rows": p.origin_rows,
                         "dtype": p.dtype,
                         "shape": list(p.shape),
                     }
@@ -239,70 +258,75 @@ def assemble(
     sources: Iterable[tuple[Checkpoint, Mapping[str, np.ndarray]]],
 ) -> dict[str, np.ndarray]:
     """Each wanted variable (name, origin, row offset or None, shape, dtype) built from
-    the rows of its origin that the checkpoints hold. Raises CheckpointError naming
-    what is missing."""
-    pieces: dict[str, list[tuple[Piece, np.ndarray]]] = {}
-    for checkpoint, values in sources:
-        for piece in checkpoint.pieces:
-            pieces.setdefault(piece.origin, []).append((piece, values[piece.name]))
+    the rows of its origin that the checkpoints hold, taking each row from the first
+    source that holds it (give them newest first). Raises CheckpointError naming what
+    is missing or does not fit."""
+    pieces = _pieces_by_origin(sources)
     out = {}
     for name, origin, offset, shape, dtype in wanted:
-        found = pieces.get(origin, [])
+        found = pieces.get(origin)
         if not found:
             raise CheckpointError(f"no checkpoint holds {origin!r} (needed for {name!r})")
-        whole = next((value for piece, value in found if piece.offset is None), None)
-        rows = shape[0] if shape else 1
-        if whole is not None:
-            value = whole if offset is None else whole[offset : offset + rows]
-        elif offset is None:
-            value = _concat_rows(origin, found)
+        if offset is None:
+            value = _whole(origin, found)
         else:
-            value = _rows(origin, found, offset, rows)
-        value = np.asarray(value)
-        if value.shape != tuple(shape) or value.dtype != np.dtype(dtype):
+            value = _rows(origin, found, offset, shape[0] if shape else 1)
+        if value.shape != tuple(shape) or value.dtype.newbyteorder("<") != np.dtype(dtype).newbyteorder("<"):
             raise CheckpointError(
                 f"checkpoint value for {name!r} (from {origin!r}) is {value.dtype}{list(value.shape)}, "
                 f"the program needs {np.dtype(dtype)}{list(shape)}"
             )
-        out[name] = np.array(value, copy=True)
+        out[name] = np.array(value, dtype=dtype, copy=True)
     return out
 
 
 def merge(sources: Iterable[tuple[Checkpoint, Mapping[str, np.ndarray]]]) -> dict[str, np.ndarray]:
-    """Whole variables of the original program from pserver checkpoints' pieces."""
-    sources = list(sources)
-    origins: dict[str, list[tuple[Piece, np.ndarray]]] = {}
+    """Whole variables of the original program from pserver checkpoints' pieces (each row
+    from the first source holding it: give them newest first)."""
+    pieces = _pieces_by_origin(sources)
+    return {origin: np.array(_whole(origin, found), copy=True) for origin, found in pieces.items()}
+
+
+def _pieces_by_origin(
+    sources: Iterable[tuple[Checkpoint, Mapping[str, np.ndarray]]],
+) -> dict[str, list[tuple[Piece, np.ndarray]]]:
+    pieces: dict[str, list[tuple[Piece, np.ndarray]]] = {}
     for checkpoint, values in sources:
         for piece in checkpoint.pieces:
-            origins.setdefault(piece.origin, []).append((piece, values[piece.name]))
-    out = {}
-    for origin, found in origins.items():
-        whole = next((value for piece, value in found if piece.offset is None), None)
-        out[origin] = np.array(whole if whole is not None else _concat_rows(origin, found), copy=True)
-    return out
+            pieces.setdefault(piece.origin, []).append((piece, values[piece.name]))
+    return pieces
+
+
+def _whole(origin: str, found: list[tuple[Piece, np.ndarray]]) -> np.ndarray:
+    """All of `origin`: the newest whole copy, or its rows from the pieces. Its height is
+    what the manifests say it is, so rows held only by a lost checkpoint are an error."""
+    newest_piece, newest_value = found[0]
+    if newest_piece.offset is None and (newest_value.ndim == 0 or all(p.offset is None for p, _ in found)):
+        return newest_value
+    heights = {p.origin_rows for p, _ in found if p.origin_rows is not None}
+    if len(heights) > 1:
+        raise CheckpointError(f"the checkpoints disagree on how many rows {origin!r} has: {sorted(heights)}")
+    total = heights.pop() if heights else max(p.first + p.rows for p, _ in found)
+    return _rows(origin, found, 0, total)
 
 
 def _rows(origin: str, found: list[tuple[Piece, np.ndarray]], offset: int, rows: int) -> np.ndarray:
-    """Rows [offset, offset + rows) of `origin` from its sliced pieces; where pieces overlap
-    (checkpoints of two job layouts), the first in `found` (the newest) wins."""
-    sliced = [(p, v) for p, v in found if p.offset is not None]
+    """Rows [offset, offset + rows) of `origin`, each from the first piece holding it (a
+    whole copy holds them all)."""
     parts, at, end = [], offset, offset + rows
     while at < end:
-        covering = next(((p, v) for p, v in sliced if p.offset <= at < p.offset + p.rows), None)
+        covering = next(((p, v) for p, v in found if v.ndim > 0 and p.first <= at < p.first + p.rows), None)
         if covering is None:
             raise CheckpointError(
                 f"the checkpoints do not hold row {at} of {origin!r} (rows {offset}..{end - 1} are needed)"
             )
         piece, value = covering
-        stop = min(piece.offset + piece.rows, end)
-        parts.append(value[at - piece.offset : stop - piece.offset])
+        stop = min(piece.first + piece.rows, end)
+        parts.append(value[at - piece.first : stop - piece.first])
         at = stop
-    return np.concatenate(parts) if parts else np.zeros((0,))
-
-
-def _concat_rows(origin: str, found: list[tuple[Piece, np.ndarray]]) -> np.ndarray:
-    total = max(p.offset + p.rows for p, _ in found if p.offset is not None)
-    return _rows(origin, found, 0, total)
+    if not parts:
+        raise CheckpointError(f"no rows of {origin!r} were asked for")
+    return np.concatenate(parts)
 
 
 def _parse(path: Path) -> Checkpoint:
@@ -322,7 +346,10 @@ def _parse(path: Path) -> Checkpoint:
             if any(d < 0 for d in shape) or math.prod(shape) > 1 << 40:
                 raise ValueError(f"bad shape {list(shape)}")
             np.dtype(item["dtype"])
-            pieces.append(Piece(item["name"], item["origin"], offset, item["dtype"], shape))
+            origin_rows = item.get("origin_rows")
+            if origin_rows is not None and (not isinstance(origin_rows, int) or origin_rows < 0):
+                raise ValueError(f"bad origin_rows {origin_rows!r}")
+            pieces.append(Piece(item["name"], item["origin"], offset, item["dtype"], shape, origin_rows))
         data = body["data"]
         if Path(data["file"]).name != data["file"]:
             raise ValueError(f"the data file {data['file']!r} must be in the checkpoint directory")
@@ -356,7 +383,11 @@ def merge_checkpoints(
         detail = f" ({'; '.join(problems)})" if problems else ""
         raise CheckpointError(f"no intact pserver checkpoint in {checkpoint_dir}{detail}")
     sources = sorted(found.values(), key=lambda cv: cv[0].created, reverse=True)
-    values = merge(sources)
+    try:
+        values = merge(sources)
+    except CheckpointError as e:
+        detail = f" (skipped: {'; '.join(problems)})" if problems else ""
+        raise CheckpointError(f"{e}{detail}") from None
     if dirname is not None:
         out = Path(dirname)
         out.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,6 @@ are their definitions, and the kernels of the two local ones (the splits).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from fluidps.errors import ExecutionError
@@ -152,6 +150,7 @@ family.define(
         Strs("checkpoint_vars", []),
         Strs("checkpoint_origins", []),
         Longs("checkpoint_offsets", []),
+        Longs("checkpoint_origin_rows", []),  # rows of each original variable (-1: a scalar)
     ],
 )
 
@@ -214,22 +213,6 @@ def _split_selected_rows_kernel(op: KernelOp) -> Runner:
 _SEND_BARRIER, _FETCH_BARRIER = 22, 23  # wire Kind numbers of the two barriers
 
 
-def _accumulate(total: Any, value: Any) -> Any:
-    if total is None:
-        return value.copy() if isinstance(value, (np.ndarray, SelectedRows)) else value
-    if isinstance(value, SelectedRows):
-        return SelectedRows(
-            np.concatenate([total.rows, value.rows]), np.concatenate([total.value, value.value]), value.height
-        )
-    return total + value
-
-
-def _average(total: Any, count: int) -> Any:
-    if isinstance(total, SelectedRows):
-        return SelectedRows(total.rows, (total.value / count).astype(total.value.dtype), total.height)
-    return (total / count).astype(total.dtype)
-
-
 @family.kernel("send")
 def _send_kernel(op: KernelOp) -> Runner:
     names = op.inputs("X")
@@ -237,21 +220,12 @@ def _send_kernel(op: KernelOp) -> Runner:
     epmap, trainer_id, interval = op.attr("epmap"), op.attr("trainer_id"), op.attr("send_interval")
     if len(epmap) != len(names) or len(remote) != len(names):
         raise ExecutionError(f"send: {len(names)} variables but {len(epmap)} endpoints / {len(remote)} names")
-    totals: list[Any] = [None] * len(names)
-    count = 0
 
     def run(env: Env) -> None:
-        nonlocal count, totals
-        values = [env[n] for n in names]
-        if interval > 1:
-            # Async: upload the mean of the last `interval` gradients, every `interval` steps.
-            totals = [_accumulate(t, v) for t, v in zip(totals, values, strict=True)]
-            count += 1
-            if count < interval:
-                return
-            values = [_average(t, count) for t in totals]
-            totals, count = [None] * len(names), 0
-        env[RUNTIME_KEY].send(list(zip(epmap, remote, values, strict=True)), trainer_id)
+        # Async with send_interval n: the runtime uploads the mean of n steps' gradients
+        # every n steps (it keeps the sum, so it survives this program being prepared again).
+        items = list(zip(epmap, remote, [env[n] for n in names], strict=True))
+        env[RUNTIME_KEY].send(items, trainer_id, every=interval)
 
     return run
 
@@ -263,15 +237,11 @@ def _recv_kernel(op: KernelOp) -> Runner:
     epmap, trainer_id, interval = op.attr("epmap"), op.attr("trainer_id"), op.attr("recv_interval")
     if len(epmap) != len(outs) or len(remote) != len(outs):
         raise ExecutionError(f"recv: {len(outs)} variables but {len(epmap)} endpoints / {len(remote)} names")
-    last: list[Any] = []
 
     def run(env: Env) -> None:
-        nonlocal last
-        runtime = env[RUNTIME_KEY]
-        # Async: download every `interval` steps (and always the first time).
-        if not last or interval <= 1 or runtime.step % interval == 0:
-            last = runtime.get(list(zip(epmap, remote, strict=True)), trainer_id)
-        for name, value in zip(outs, last, strict=True):
+        # Async with recv_interval m: downloads every m steps (and whenever nothing was yet).
+        values = env[RUNTIME_KEY].get(list(zip(epmap, remote, strict=True)), trainer_id, every=interval)
+        for name, value in zip(outs, values, strict=True):
             env[name] = value
 
     return run

@@ -81,10 +81,9 @@ def _create_kernel(op: KernelOp) -> Runner:
     )
 
     def run(env: Env) -> None:
-        previous = env.get(out)
-        if previous is not None and hasattr(previous, "close"):
-            previous.close()  # running the startup again starts reading afresh
-        env[out] = env[RUNTIME_KEY].open_reader(spec)
+        # Running the startup again starts reading afresh: the runtime closes the reader
+        # this variable held (its task finished or given back).
+        env[out] = env[RUNTIME_KEY].open_reader(out, spec)
 
     return run
 

@@ -17,6 +17,7 @@ from fluidps.ir.infer import InferContext, VarInfo
 from fluidps.ir.operator import Operator, SlotArgs
 from fluidps.ir.opschema import REQUIRED, AttrSpec, GradMaker, InferFn, OpSchema, Slot
 from fluidps.ir.program import Block
+from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops.grad import GradSpec, grad_schema
 from fluidps.ops.kernel import KernelBuilder, KernelOp, Runner
 
@@ -128,7 +129,28 @@ class OpRegistry(Mapping[str, OpSchema]):
             raise UnsupportedError(
                 f"op {op.type!r} has no kernel in fluidps, so programs using it cannot run"
             )
+        self._check_implemented(op, schema)
         return builder(KernelOp(op, schema))
+
+    @staticmethod
+    def _check_implemented(op: Operator, schema: OpSchema) -> None:
+        """A program parsed from a file (never built, never verified) may still ask for
+        what the kernels ignore: an extra slot Paddle added, an attribute value fluidps
+        does not implement. Running it would silently compute something else."""
+        for kind, given, lookup in (
+            ("input", op.inputs, schema.input_slot),
+            ("output", op.outputs, schema.output_slot),
+        ):
+            for name, args in given.items():
+                slot = lookup(name)
+                if slot is not None and slot.extra and any(a != EMPTY_VAR_NAME for a in args):
+                    raise UnsupportedError(
+                        f"op {op.type!r}: {kind} {name!r} ({', '.join(args)}) is not implemented by fluidps"
+                    )
+        for name in op.attr_names:
+            spec = schema.attr_spec(name)
+            if spec is not None:
+                _check_supported(op.type, spec, op.attr(name))
 
     # -- building ------------------------------------------------------------------------
 

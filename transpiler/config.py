@@ -28,6 +28,11 @@ class DistributeTranspilerConfig:
     optimizer_state_with_slice: accumulators (moments, velocities) are cut like their
       parameter and live with each slice; Adam's beta powers, one-element scalars, are
       copied whole to each slice. This is the layout fluidps implements.
+    checkpoint_dir: where the pservers save checkpoints and restore them from when they
+      start ("" none; FLUIDPS_CHECKPOINT_DIR overrides it, as `fluidps launch --dataset`
+      sets); checkpoint_every_steps / checkpoint_every_seconds: how often (0: never by
+      that measure; they also save at the end, on SIGTERM and when asked);
+      checkpoint_keep: how many each pserver keeps.
     """
 
     slice_var_up: bool = True
@@ -38,6 +43,10 @@ class DistributeTranspilerConfig:
     send_interval: int = 1
     recv_interval: int = 1
     optimizer_state_with_slice: bool = True
+    checkpoint_dir: str = ""
+    checkpoint_every_steps: int = 0
+    checkpoint_every_seconds: float = 0.0
+    checkpoint_keep: int = 3
 
     def __post_init__(self) -> None:
         if self.split_method not in SPLIT_METHODS:
@@ -56,6 +65,11 @@ class DistributeTranspilerConfig:
                 raise BuilderError(f"{name} must be >= 1, got {value}")
             if value != 1 and self.mode != "async":
                 raise BuilderError(f"{name} applies to mode 'async' only (mode is {self.mode!r})")
+        if self.checkpoint_every_steps < 0 or self.checkpoint_every_seconds < 0 or self.checkpoint_keep < 1:
+            raise BuilderError(
+                "checkpoint_every_steps and checkpoint_every_seconds must be >= 0 and checkpoint_keep >= 1, got "
+                f"{self.checkpoint_every_steps}, {self.checkpoint_every_seconds}, {self.checkpoint_keep}"
+            )
         if not self.optimizer_state_with_slice:
             raise UnsupportedError(
                 "optimizer_state_with_slice=False: each slice's optimizer op updates that slice's "

@@ -209,9 +209,14 @@ def build_pserver_programs(
         "lr_decay_block_id": lr_block_id,
         "grad_to_queue_block_id": grad_to_queue,
         "staleness": config.staleness,
+        "checkpoint_dir": config.checkpoint_dir,
+        "checkpoint_every_steps": config.checkpoint_every_steps,
+        "checkpoint_every_seconds": float(config.checkpoint_every_seconds),
+        "checkpoint_keep": config.checkpoint_keep,
         "checkpoint_vars": list(b.origins),
         "checkpoint_origins": [origin for origin, _ in b.origins.values()],
         "checkpoint_offsets": [s.offset if s is not None else -1 for _, s in b.origins.values()],
+        "checkpoint_origin_rows": [_rows(program, origin) for origin, _ in b.origins.values()],
     }
     append_role_op(
         b.global_block, "listen_and_serv", {"X": [s.grad for s in mine]}, {}, attrs, role=OpRole.RPC
@@ -258,3 +263,9 @@ def _startup(startup: Program, b: _PserverBuilder) -> Program:
             role_var=attrs.pop(OP_ROLE_VAR_ATTR, []),
         )
     return out
+
+
+def _rows(program: Program, name: str) -> int:
+    """How many rows the original variable has (-1 for a scalar or an unknown shape)."""
+    shape = program.global_block().var(name).shape
+    return shape[0] if shape and shape[0] >= 0 else -1

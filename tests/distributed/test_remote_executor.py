@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,3 +205,118 @@ def test_a_killed_trainer_fails_the_step_within_seconds_and_close_cleans_up():
         problems = exe.close()
     assert problems  # the job did not end cleanly, and says so
     _assert_gone(pids)
+
+
+# -- jobs that read a dataset through a coordinator -----------------------------------------
+
+
+def _records(n: int = 300, seed: int = 5) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(n, 64)).astype("float32"), "y": rng.integers(0, 10, (n, 1)).astype("int64")}
+
+
+def _reading_mlp(dataset, passes: int):
+    main, startup, loss, _, _ = _mlp()
+    block = main.global_block()
+    with fluidps.program_guard(main, startup):
+        layers.dataset_reader(dataset, [block.var("x"), block.var("y")], batch_size=16, passes=passes)
+    return main, startup, loss
+
+
+def _train_until_eof(exe, main, loss) -> list[float]:
+    losses = []
+    while True:
+        try:
+            (value,) = exe.run(main, fetch_list=[loss])
+        except fluidps.EOFException:
+            return losses
+        losses.append(float(value))
+
+
+def test_a_job_reading_a_dataset_trains_as_local_training_on_the_same_tasks(tmp_path):
+    """One trainer: the coordinator hands out the tasks in the order the local reader
+    reads them, so a sync job's losses and parameters are local training's."""
+    fluidps.io.Dataset.write(tmp_path / "data", _records(), records_per_shard=100)
+    main, startup, loss = _reading_mlp(tmp_path / "data", passes=2)
+    local = fluidps.Executor()
+    local.run(startup)
+    local_losses = _train_until_eof(local, main, loss)
+    assert len(local_losses) == 2 * 3 * 7  # 2 passes x 3 shards x ceil(100 / 16) batches
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=2, trainers=1, config=SLICED)) as exe:
+        exe.run(startup)
+        losses = _train_until_eof(exe, main, loss)
+        with pytest.raises(fluidps.EOFException):
+            exe.run(main, fetch_list=[loss])  # done stays done
+        for p in main.all_parameters():
+            np.testing.assert_allclose(exe.scope[p.name], local.scope[p.name], rtol=1e-4, atol=1e-5)
+        books = json.loads((exe.log_dir / "coordinator.json").read_text())["queue"]
+    np.testing.assert_allclose(losses, local_losses, rtol=1e-4, atol=1e-5)
+    assert [sorted(h["done"]) for h in books["history"]] == [list(range(len(books["tasks"])))] * 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_two_trainers_share_a_dataset_s_tasks_and_every_pass_is_counted_once(tmp_path, mode):
+    fluidps.io.Dataset.write(tmp_path / "data", _records(n=500), records_per_shard=70)
+    main, startup, loss = _reading_mlp(tmp_path / "data", passes=3)
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=2, trainers=2, mode=mode, config=SLICED)) as exe:
+        exe.run(startup)
+        losses = _train_until_eof(exe, main, loss)
+        books = json.loads((exe.log_dir / "coordinator.json").read_text())["queue"]
+        stats = exe.pserver_stats()
+    tasks = list(range(len(books["tasks"])))
+    assert len(books["history"]) == 3 and all(sorted(h["done"]) == tasks for h in books["history"])
+    assert all(h["samples"] == 500 for h in books["history"])  # every record, once a pass
+    # The trainers shared the work: a step holds one or two trainers' batches of 16.
+    assert 500 * 3 / 32 <= len(losses) <= 500 * 3 / 16 + 3 * len(tasks)
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    if mode == "sync":
+        assert all(s["completed_steps"] >= len(losses) for s in stats.values())
+
+
+def test_servers_outlive_no_client_that_was_killed(tmp_path):
+    """A client killed outright (no chance to close its job) takes its servers with it."""
+    script = tmp_path / "client.py"
+    script.write_text(
+        "import sys, time, fluidps\n"
+        "exe = fluidps.RemoteExecutor(fluidps.JobDesc(pservers=1, trainers=1))\n"
+        "print(' '.join(f'{n}={p}' for n, p in exe.server_pids.items()), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    client = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = client.stdout.readline()
+        pids = {name: int(pid) for name, pid in (item.split("=") for item in line.split())}
+        assert sorted(pids) == ["pserver.0", "trainer.0"]
+    finally:
+        client.kill()
+        client.wait(timeout=10)
+        client.stdout.close()
+    _assert_gone(pids)
+
+
+def test_checkpoints_on_demand_resume_a_job_with_another_number_of_pservers(tmp_path):
+    """exe.checkpoint() saves every pserver's slices; a new job on three pservers restores
+    them (cut differently) and carries on exactly where the first one stopped."""
+    main, startup, loss, _, _ = _mlp()
+    batches = _mlp_batches(6)
+    config = fluidps.DistributeTranspilerConfig(min_block_size=64, checkpoint_dir=str(tmp_path / "ckpt"))
+    local = fluidps.Executor()
+    local.run(startup)
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=2, trainers=1, config=config)) as exe:
+        exe.run(startup)
+        for p in main.all_parameters():  # the job starts from the client's startup values
+            local.scope[p.name] = np.array(exe.scope[p.name], copy=True)
+        for b in batches[:3]:
+            exe.run(main, feed=b, fetch_list=[loss])
+        saved = exe.checkpoint()
+        assert sorted(Path(path).name for path in saved.values()) == [
+            "pserver-0-000001.json",
+            "pserver-1-000001.json",
+        ]
+    local_losses = [float(local.run(main, feed=b, fetch_list=[loss])[0]) for b in batches]
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=3, trainers=1, config=config)) as exe:
+        exe.run(startup)  # overwritten by what the pservers restore
+        losses = [float(exe.run(main, feed=b, fetch_list=[loss])[0]) for b in batches[3:]]
+        for p in main.all_parameters():
+            np.testing.assert_allclose(exe.scope[p.name], local.scope[p.name], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(losses, local_losses[3:], rtol=1e-4, atol=1e-5)

@@ -43,3 +43,17 @@ def test_the_quick_start_goes_distributed_by_changing_one_line():
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_the_quick_start_reads_a_dataset_as_the_readme_says(tmp_path, monkeypatch):
+    text = README.read_text()
+    quick_start = re.search(r"## Quick start\n\n```python\n(.*?)```", text, re.S).group(1)
+    section = text[text.index("### Reading a dataset") :]
+    reading = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)  # the snippet writes digits_data/ where it runs
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(quick_start + reading, "README.md", "exec"), {})
+    accuracies = [float(line.split()[-1]) for line in out.getvalue().splitlines()]
+    assert len(accuracies) == 2 and accuracies[1] >= 0.95  # the quick start's, then the reader's
+    assert sorted(p.name for p in (tmp_path / "digits_data").iterdir())[-1] == "part-00006.npz"

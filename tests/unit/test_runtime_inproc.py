@@ -3,6 +3,7 @@ training; the Runtime's settings from the environment; gradient queues."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 import socket
 import threading
@@ -36,9 +37,11 @@ def free_port() -> int:
 
 
 def endpoints(kind: str) -> list[str]:
+    tag = uuid.uuid4().hex[:8]
     if kind == "inproc":
-        tag = uuid.uuid4().hex[:8]
         return [f"inproc://ps0-{tag}", f"inproc://ps1-{tag}"]
+    if kind == "ipc":  # unix sockets: a short path (their names are limited to about 100 bytes)
+        return [f"ipc:///tmp/fluidps-{tag}-ps{i}.sock" for i in range(2)]
     return [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
 
 
@@ -78,10 +81,19 @@ class PServers:
         assert not self.errors, self.errors
 
 
-@pytest.mark.parametrize("kind", ["inproc", "tcp"])
-def test_sync_job_in_one_process_matches_local_training(kind):
+@pytest.fixture
+def job_endpoints(request):
+    eps = endpoints(request.param)
+    yield eps
+    for ep in eps:  # unix socket files outlive their sockets
+        if ep.startswith("ipc://"):
+            pathlib.Path(ep.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("job_endpoints", ["inproc", "ipc", "tcp"], indirect=True)
+def test_sync_job_in_one_process_matches_local_training(job_endpoints):
     main, startup, loss = sgd_mlp()
-    eps = endpoints(kind)
+    eps = job_endpoints
     t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8))
     t.transpile(0, main, ",".join(eps), trainers=1, startup_program=startup)
     # the parameters are sliced over both pservers

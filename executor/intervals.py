@@ -1,0 +1,51 @@
+"""Async trainers that talk less often: gradients summed over `send_interval` steps.
+
+A trainer with send_interval n uploads, every n steps, the mean of its last n
+gradients; the sum lives here, in its Runtime, keyed by what is sent, so it
+does not depend on how often the program is prepared again, and what is left
+of it when the trainer stops is still uploaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fluidps.ops.selected_rows import SelectedRows
+
+
+def _add(total: Any, value: Any) -> Any:
+    if total is None:
+        return value.copy() if isinstance(value, (np.ndarray, SelectedRows)) else value
+    if isinstance(value, SelectedRows):  # rows of every step, repeats kept (the pserver merges them)
+        return SelectedRows(
+            np.concatenate([total.rows, value.rows]), np.concatenate([total.value, value.value]), value.height
+        )
+    return total + value
+
+
+def _mean(total: Any, count: int) -> Any:
+    if isinstance(total, SelectedRows):
+        return SelectedRows(total.rows, (total.value / count).astype(total.value.dtype), total.height)
+    return (total / count).astype(total.dtype)
+
+
+class GradientSum:
+    """The running sum of one send's gradients since its last upload."""
+
+    def __init__(self, trainer_id: int, targets: tuple[tuple[str, str], ...]):
+        self.trainer_id = trainer_id
+        self.targets = targets  # (endpoint, name) of each gradient
+        self.totals: list[Any] = [None] * len(targets)
+        self.count = 0
+
+    def add(self, values: list[Any]) -> None:
+        self.totals = [_add(t, v) for t, v in zip(self.totals, values, strict=True)]
+        self.count += 1
+
+    def take_mean(self) -> list[tuple[str, str, Any]]:
+        """(endpoint, name, mean gradient) of every target; the sum starts again."""
+        means = [_mean(t, self.count) for t in self.totals]
+        self.totals, self.count = [None] * len(self.targets), 0
+        return [(ep, name, value) for (ep, name), value in zip(self.targets, means, strict=True)]

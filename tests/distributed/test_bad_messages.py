@@ -1,0 +1,309 @@
+"""A real pserver process (`fluidps serve --role pserver`) fed malformed and oversized
+messages on raw ZeroMQ DEALER sockets: it rejects each one, counts it in its stats,
+keeps serving other clients, and a real trainer trains against it afterwards.
+Also: FLUIDPS_MAX_MESSAGE_BYTES is validated."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+import fluidps
+from fluidps import layers, optimizer
+from fluidps.errors import TransportError
+from fluidps.executor import wire_pb2 as pb
+from fluidps.executor.rpc import RpcClient, RpcSettings
+from fluidps.executor.runtime import settings_from_env
+from fluidps.executor.wire import Kind, Message, decode, encode
+from fluidps.ir.types import VarType
+from fluidps.ops.selected_rows import SelectedRows
+
+FLUIDPS = [sys.executable, "-m", "fluidps"]
+READY = " ready on "
+WAIT = 30.0  # seconds: the bound of every wait for an answer
+MAX_BYTES = 100_000
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model() -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 7
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [8])
+        y = layers.data("y", [1], dtype="int64")
+        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(layers.fc(x, 16, act="tanh"), 3), y))
+        optimizer.SGD(0.2).minimize(loss)
+    return main, startup, loss
+
+
+def _batch(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    return {"x": x, "y": x[:, :3].argmax(axis=1).reshape(-1, 1).astype("int64")}
+
+
+@contextmanager
+def _pserver(
+    tmp_path: Path, env: dict[str, str]
+) -> Iterator[tuple[subprocess.Popen, str, fluidps.DistributeTranspiler]]:
+    """A one-pserver sync job: the pserver as a `fluidps serve` process (its output in a
+    log file), stopped by its pid; yields (process, endpoint, transpiler)."""
+    main, startup, _ = _model()
+    endpoint = f"127.0.0.1:{_free_port()}"
+    t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8))
+    t.transpile(0, main, endpoint, trainers=1, startup_program=startup)
+    ps_main, ps_startup = t.get_pserver_programs(endpoint)
+    (tmp_path / "ps.pb").write_bytes(ps_main.serialize_to_string())
+    (tmp_path / "ps_startup.pb").write_bytes(ps_startup.serialize_to_string())
+    log_path = tmp_path / "pserver.log"
+    args = [
+        "--role",
+        "pserver",
+        "--program",
+        str(tmp_path / "ps.pb"),
+        "--startup",
+        str(tmp_path / "ps_startup.pb"),
+    ]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [*FLUIDPS, "serve", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while READY not in log_path.read_text(errors="replace"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"the pserver did not say it was ready ({process.poll()}):\n{log_path.read_text()}"
+                )
+            time.sleep(0.05)
+        yield process, endpoint, t
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
+
+
+@contextmanager
+def _dealer(context: zmq.Context, endpoint: str) -> Iterator[zmq.Socket]:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{endpoint}")
+    try:
+        yield sock
+    finally:
+        sock.close(linger=0)
+
+
+def _answer(sock: zmq.Socket, timeout: float = WAIT) -> Message | None:
+    """The next message the server sends this socket within `timeout` s (None: nothing)."""
+    if not sock.poll(int(timeout * 1000)):
+        return None
+    return decode(sock.recv_multipart())
+
+
+def _hello(sock: zmq.Socket, request_id: int) -> None:
+    sock.send_multipart(encode(Message(Kind.HELLO, request_id=request_id)))
+    reply = _answer(sock)
+    assert reply is not None, "the pserver did not answer a HELLO"
+    assert (reply.kind, reply.request_id) == (Kind.OK, request_id)
+
+
+def _frames(msg: Message) -> list[bytes]:
+    return [bytes(memoryview(f)) if not isinstance(f, bytes) else f for f in encode(msg)]
+
+
+def _edit_header(frames: list[bytes], edit) -> list[bytes]:
+    header = pb.Header()
+    header.ParseFromString(frames[0])
+    edit(header)
+    return [header.SerializeToString(), *frames[1:]]
+
+
+def _send(name: str, value, request_id: int = 1) -> Message:
+    # trainer 0's gradient, as a trainer would send it (if one got through, it would count)
+    return Message(Kind.SEND, tensors={name: value}, trainer_id=0, step=1, request_id=request_id)
+
+
+GRAD = np.ones((8, 16), np.float32)
+
+
+def _malformed() -> list[tuple[str, list[bytes], str]]:
+    """(what, frames, what the rejection must say)."""
+    valid = _frames(_send("fc_0.w_0@GRAD", GRAD))
+    sparse = _frames(_send("emb@GRAD", SelectedRows(np.array([1, 2]), np.ones((2, 4), np.float32), 20)))
+
+    def set_dtype(dtype: int):
+        def edit(header):
+            header.tensors[0].dtype = dtype
+
+        return edit
+
+    def set_height(header):
+        header.tensors[0].height = 2  # the rows 1 and 2 are not below 2
+
+    def set_dims(header):
+        del header.tensors[0].dims[:]
+        header.tensors[0].dims.extend([-1, 16])
+
+    return [
+        ("garbage", [b"\xff\x00garbage, not a header"], "frame 0 is not a message header"),
+        ("garbage frames", [b"junk", b"more junk", b"\x00" * 64], "frame 0 is not a message header"),
+        ("an empty header", [b""], "the header has no known kind"),
+        ("dims off the byte count", [valid[0], valid[1][:-4]], "need 512 bytes, the frame has 508"),
+        (
+            "dims off the byte count (more)",
+            [valid[0], valid[1] + b"\x00" * 4],
+            "need 512 bytes, the frame has 516",
+        ),
+        ("negative dims", _edit_header(valid, set_dims), "dims [-1, 16] are not valid"),
+        (
+            "dtype RAW",
+            _edit_header(valid, set_dtype(int(VarType.RAW))),
+            f"dtype {int(VarType.RAW)} is not allowed",
+        ),
+        ("dtype LOD_TENSOR", _edit_header(valid, set_dtype(int(VarType.LOD_TENSOR))), "is not allowed"),
+        ("dtype 999", _edit_header(valid, set_dtype(999)), "dtype 999 is not allowed"),
+        ("a missing data frame", valid[:1], "its data frames are missing"),
+        ("an extra frame", [*valid, b"extra"], "the header describes 2 frames, the message has 3"),
+        ("sparse rows out of range", _edit_header(sparse, set_height), "row ids must be in [0, 2)"),
+    ]
+
+
+def test_a_pserver_rejects_bad_messages_and_goes_on_serving(tmp_path):
+    cases = _malformed()
+    context = zmq.Context()
+    try:
+        with (
+            _pserver(tmp_path, {"FLUIDPS_MAX_MESSAGE_BYTES": str(MAX_BYTES)}) as (process, endpoint, t),
+            _dealer(context, endpoint) as bystander,
+        ):
+            _hello(bystander, 1)  # a client that behaves, connected all along
+
+            # (a)-(c): each malformed message gets an ERROR saying what was wrong
+            for what, frames, reason in cases:
+                with _dealer(context, endpoint) as sock:
+                    sock.send_multipart(frames)
+                    reply = _answer(sock)
+                    assert reply is not None, f"{what}: no answer"
+                    assert reply.kind == Kind.ERROR, f"{what}: {Kind.Name(reply.kind)}"
+                    assert "rejected a malformed message" in reply.text, (what, reply.text)
+                    assert reason in reply.text, (what, reply.text)
+            # one socket sending them all in a row gets all the errors, in order
+            with _dealer(context, endpoint) as sock:
+                for _, frames, _ in cases:
+                    sock.send_multipart(frames)
+                for what, _, reason in cases:
+                    reply = _answer(sock)
+                    assert reply is not None and reply.kind == Kind.ERROR and reason in reply.text, what
+                _hello(sock, 2)  # and is served afterwards
+            _hello(bystander, 2)
+
+            # (d): a message over FLUIDPS_MAX_MESSAGE_BYTES: ZeroMQ drops it and the connection
+            big = np.zeros(MAX_BYTES // 4 + 1000, np.float32)
+            assert big.nbytes > MAX_BYTES
+            with _dealer(context, endpoint) as sock:
+                _hello(sock, 1)  # connected
+                # (a gradient it does not own and a new request id: had it been read, an ERROR would come at once)
+                sock.send_multipart(_frames(_send("oversized@GRAD", big, request_id=2)))
+                assert _answer(sock, timeout=2.0) is None  # dropped unread
+            _hello(bystander, 3)
+            with _dealer(context, endpoint) as sock:  # a new connection is served
+                _hello(sock, 1)
+
+            # STATS: the malformed messages were counted (the oversized one never reached it)
+            stats_client = RpcClient(context, endpoint, "pserver", SETTINGS, trainer_id=-1)
+            try:
+                reply = stats_client.call(Message(Kind.STATS, trainer_id=-1), timeout=WAIT)
+            finally:
+                stats_client.close()
+            stats = json.loads(reply.text)
+            assert stats["rejected"] == 2 * len(cases)
+            assert stats["mode"] == "sync" and stats["completed_steps"] == 0  # nothing got through
+            assert stats["trainers"] == {"0": "live"}
+
+            # A real trainer: the startup pulls the parameters, then it trains as local training does.
+            main, startup, loss = _model()
+            exe = fluidps.Executor(rpc_settings=SETTINGS)
+            closed = False
+            try:
+                exe.run(t.get_trainer_startup_program())
+                local = fluidps.Executor()
+                local.run(startup)
+                for name in [p.name for p in main.all_parameters()]:
+                    local.scope[name] = exe.scope[name].copy()  # the pserver's initial values
+                trainer = t.get_trainer_program()
+                for step in range(3):
+                    (got,) = exe.run(trainer, feed=_batch(step), fetch_list=[loss.name])
+                    (want,) = local.run(main, feed=_batch(step), fetch_list=[loss])
+                    assert float(got) == pytest.approx(float(want), rel=1e-5)
+                problems, closed = exe.close(), True
+                assert problems == []
+            finally:
+                if not closed:
+                    exe.close()
+            process.wait(WAIT)  # its only trainer is done: the loop ends, the process exits
+            assert process.returncode == 0, (tmp_path / "pserver.log").read_text()
+    finally:
+        context.term()
+
+
+@pytest.mark.parametrize(
+    "value", ["abc", "0", "-1", "", " 100", "100.0", "1e5", "0x10", "١٠٠", str((1 << 40) + 1)]
+)
+def test_an_invalid_max_message_bytes_is_refused_naming_the_variable(value):
+    with pytest.raises(TransportError, match=f"FLUIDPS_MAX_MESSAGE_BYTES={value!r} is invalid"):
+        settings_from_env({"FLUIDPS_MAX_MESSAGE_BYTES": value})
+
+
+def test_a_valid_max_message_bytes_is_used():
+    for value in (1, MAX_BYTES, 1 << 40):
+        assert settings_from_env({"FLUIDPS_MAX_MESSAGE_BYTES": str(value)}).max_message_bytes == value
+    assert settings_from_env({}).max_message_bytes == RpcSettings().max_message_bytes
+
+
+def test_serve_with_an_invalid_max_message_bytes_exits_naming_it(tmp_path):
+    main, startup, _ = _model()
+    endpoint = f"127.0.0.1:{_free_port()}"
+    t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8))
+    t.transpile(0, main, endpoint, trainers=1, startup_program=startup)
+    ps_main, ps_startup = t.get_pserver_programs(endpoint)
+    (tmp_path / "ps.pb").write_bytes(ps_main.serialize_to_string())
+    (tmp_path / "ps_startup.pb").write_bytes(ps_startup.serialize_to_string())
+    files = ["--program", str(tmp_path / "ps.pb"), "--startup", str(tmp_path / "ps_startup.pb")]
+    done = subprocess.run(
+        [*FLUIDPS, "serve", "--role", "pserver", *files],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, FLUIDPS_MAX_MESSAGE_BYTES="abc"),
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "FLUIDPS_MAX_MESSAGE_BYTES='abc' is invalid" in done.stderr
+    assert READY not in done.stdout

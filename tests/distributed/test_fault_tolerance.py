@@ -1,0 +1,251 @@
+"""Kill any process, lose nothing: `fluidps launch --dataset` jobs under fault injection.
+
+Each job trains examples/distributed_digits.py on the digits' training split (as
+a sharded dataset) with 2 pservers, 2 trainers and a coordinator, all real
+processes on 127.0.0.1. A victim is killed (kill -9) or stopped (SIGSTOP) in
+the middle of a pass, chosen from the coordinator's snapshot. Every job must
+finish (status 0); the coordinator's books must show every task of every pass
+counted done exactly once or discarded; the held-out accuracy must be within
+one point of a fault-free run. Every wait is bounded and every process is
+stopped by its pid, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fluidps
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = ROOT / "examples" / "distributed_digits.py"
+POISON_JOB = Path(__file__).with_name("poison_job.py")
+EPOCHS = 16  # by 16 passes the model has converged: fault-free runs agree within 0.3 points
+JOB_TIMEOUT = 240.0
+PEER_TIMEOUT = 4.0
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    """The training split of the digits as a dataset (shards of 160 records: 9 tasks)."""
+    path = tmp_path_factory.mktemp("data") / "digits"
+    done = subprocess.run(
+        [sys.executable, str(DIGITS), "--write-dataset", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+class Job:
+    """`fluidps launch --dataset` in a subprocess, its log directory, and the pids it started."""
+
+    def __init__(self, tmp_path: Path, dataset: Path, *launch_args: str, script=DIGITS, script_args=()):
+        self.dir = tmp_path / "job"
+        self.dir.mkdir()
+        self.out, self.err = self.dir / "launch.out", self.dir / "launch.err"
+        command = [
+            sys.executable, "-m", "fluidps", "launch", "--dataset", str(dataset),
+            "--pservers", "2", "--trainers", "2", "--log-dir", str(self.dir), "--grace", "5",
+            "--checkpoint-every-steps", "10", "--progress", *launch_args, str(script), *script_args,
+        ]  # fmt: skip
+        env = os.environ | {"FLUIDPS_PEER_TIMEOUT": str(PEER_TIMEOUT), "PYTHONUNBUFFERED": "1"}
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=tmp_path)
+
+    def log(self) -> str:
+        return self.err.read_text(errors="replace") + self.out.read_text(errors="replace")
+
+    def pids(self) -> dict[str, int]:
+        """The newest pid of each process the launcher started."""
+        return {m[1]: int(m[2]) for m in re.finditer(r"started (\S+) \(pid (\d+)\)", self.log())}
+
+    def books(self) -> dict:
+        """The coordinator's snapshot (written atomically, so never torn)."""
+        path = self.dir / "coordinator.json"
+        return json.loads(path.read_text())["queue"] if path.exists() else {}
+
+    def wait_until(self, condition, what: str, timeout: float = JOB_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"the job ended before {what}:\n{self.log()[-4000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting until {what}:\n{self.log()[-4000:]}"
+            time.sleep(0.1)
+
+    def mid_pass(self, pass_index: int = 1, done: int = 2) -> None:
+        self.wait_until(
+            lambda: (
+                (b := self.books())
+                and (b["pass"] > pass_index or (b["pass"] == pass_index and len(b["done"]) >= done))
+            ),
+            f"pass {pass_index + 1} has {done} tasks done",
+        )
+
+    def stop_while_holding_a_task(self, trainer: int, attempts: int = 50) -> int:
+        """SIGSTOP the trainer at a moment it holds a task (the books say so after it stopped)."""
+        pid = self.pids()[f"trainer.{trainer}"]
+        for _ in range(attempts):
+            self.wait_until(
+                lambda: any(le["trainer"] == trainer for le in self.books()["pending"]), "it holds a task"
+            )
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.3)  # a report it sent just before stopping lands in the books
+            if any(le["trainer"] == trainer for le in self.books()["pending"]):
+                return pid
+            os.kill(pid, signal.SIGCONT)
+        pytest.fail(f"trainer {trainer} never stopped while holding a task")
+
+    def signal(self, name: str, sig: int) -> int:
+        pid = self.pids()[name]
+        os.kill(pid, sig)
+        return pid
+
+    def finish(self) -> str:
+        try:
+            self.proc.wait(timeout=JOB_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not finish within {JOB_TIMEOUT:.0f} s:\n{self.log()[-4000:]}")
+        log = self.log()
+        assert self.proc.returncode == 0, log[-6000:]
+        return log
+
+    def stop(self) -> None:
+        """Stop the launcher and anything it started, each by its own pid."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for pid in re.findall(r"started \S+ \(pid (\d+)\)", self.log()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+    def result(self, trainer: int = 0) -> dict:
+        return json.loads((self.dir / f"trainer.{trainer}.json").read_text())
+
+
+def assert_books_balance(books: dict, passes: int, discarded: set[int] = frozenset()) -> None:
+    """Every pass counted each task done exactly once, or discarded it."""
+    tasks = {t[0] for t in books["tasks"]}
+    assert len(books["history"]) == passes and books["pass"] == passes
+    for summary in books["history"]:
+        assert len(summary["done"]) == len(set(summary["done"])), summary  # none counted twice
+        assert set(summary["done"]) | set(summary["discarded"]) == tasks, summary  # none lost
+        assert set(summary["done"]).isdisjoint(summary["discarded"])
+        assert set(summary["discarded"]) <= discarded
+    assert {int(t) for t in books["discarded"]} == set(discarded)
+
+
+def launch(tmp_path, digits, *args, **kwargs) -> Job:
+    return Job(tmp_path, digits, *args, script_args=("--epochs", str(EPOCHS), "--out", "job"), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory, digits) -> float:
+    job = launch(tmp_path_factory.mktemp("fault-free"), digits)
+    try:
+        log = job.finish()
+    finally:
+        job.stop()
+    assert_books_balance(job.books(), EPOCHS)
+    assert "restarting" not in log and "[launch] the job finished every pass" in log
+    assert re.search(rf"pass {EPOCHS}/{EPOCHS}: 100%", log)  # the progress bar ran to the end
+    accuracy = job.result()["test_accuracy"]
+    assert accuracy >= 0.95
+    return accuracy
+
+
+@pytest.mark.parametrize(
+    "victim, recovery",
+    [
+        ("trainer.1", "its task goes back to the queue and it rejoins the job"),
+        ("pserver.1", "from its last checkpoint"),
+        ("coordinator", "from its snapshot; the trainers reconnect and no task is lost"),
+    ],
+)
+def test_a_job_survives_a_killed_process(tmp_path, digits, fault_free, victim, recovery):
+    job = launch(tmp_path, digits)
+    try:
+        job.mid_pass()
+        pid = job.signal(victim, signal.SIGKILL)
+        log = job.finish()
+    finally:
+        job.stop()
+    assert f"{victim} was killed by SIGKILL (status 137); restarting it (restart 1 of 3)" in log, log[-4000:]
+    assert recovery in log
+    assert job.pids()[victim] != pid  # it runs again, as a new process
+    assert_books_balance(job.books(), EPOCHS)
+    if victim == "pserver.1":
+        # The restarted pserver restored its checkpoint and said what was lost.
+        assert re.search(
+            r"pserver 1 .*: restored \d+ variables at step \d+ from .*what this pserver learned", log
+        )
+    if victim == "coordinator":
+        assert re.search(
+            rf"coordinator: resumed from .*coordinator\.json: pass \d+ of {EPOCHS}, \d+ tasks done", log
+        )
+    accuracy = job.result()["test_accuracy"]
+    assert abs(accuracy - fault_free) <= 0.01, (accuracy, fault_free)
+
+
+def test_a_hung_trainer_s_task_times_out_and_its_stale_messages_are_refused(tmp_path, digits, fault_free):
+    job = launch(tmp_path, digits, "--task-timeout", "3")
+    stopped = None
+    try:
+        job.mid_pass()
+        stopped = job.stop_while_holding_a_task(1)
+        job.wait_until(
+            lambda: "timed out after 3 s without word from its trainer" in job.log(), "its task times out"
+        )
+        job.wait_until(lambda: "trainer 1 evicted" in job.log(), "the pservers evict it")
+        os.kill(stopped, signal.SIGCONT)  # it wakes up, one incarnation too late
+        log = job.finish()
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        job.stop()
+    assert "was evicted after going silent" in log  # what it sent after waking up was refused
+    assert_books_balance(job.books(), EPOCHS)
+    assert abs(job.result()["test_accuracy"] - fault_free) <= 0.01
+
+
+def test_a_task_that_crashes_its_trainer_every_time_is_discarded_and_the_job_finishes(tmp_path, digits):
+    # The digits with a `poison` field, set on the records of one shard (one task).
+    dataset = fluidps.io.Dataset(digits)
+    parts = [dataset.read(i, 0, s.records) for i, s in enumerate(dataset.shards)]
+    arrays = {name: np.concatenate([p[name] for p in parts]) for name in dataset.fields}
+    poison = np.zeros((dataset.records, 1), np.int64)
+    poison[3 * 160 : 4 * 160] = 1  # shard 3
+    fluidps.io.Dataset.write(tmp_path / "poisoned", arrays | {"poison": poison}, records_per_shard=160)
+    job = Job(
+        tmp_path, tmp_path / "poisoned", "--max-task-failures", "2", "--max-restarts", "5",
+        script=POISON_JOB, script_args=("job",),
+    )  # fmt: skip
+    try:
+        log = job.finish()
+    finally:
+        job.stop()
+    (poisoned,) = [t[0] for t in job.books()["tasks"] if t[1] == 3]
+    assert_books_balance(job.books(), 3, discarded={poisoned})
+    assert log.count("read a poisoned batch: crashing") == 3  # it failed 3 times, then it was discarded
+    assert re.search(
+        rf"task {poisoned} \(trainer \d\) failed: trainer \d restarted while it held the task; discarded after 3 failures",
+        log,
+    )
+    assert "[launch] discarded 1 task(s) that kept failing" in log

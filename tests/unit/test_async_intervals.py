@@ -1,0 +1,436 @@
+"""Async training with send_interval n and recv_interval m, a whole job in one process
+(two pservers on threads, the trainer here): what goes over the wire and when.
+
+The trainer's Runtime is wrapped to record every SEND and GET it makes (with the step
+it was made at and the values); each step's gradients are recomputed independently
+by a local Executor on the original program at the parameters the trainer used. The
+pservers' own view (stats, the values they end with) is checked too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+import fluidps
+from fluidps import layers
+from fluidps.executor.rpc import RpcSettings
+from fluidps.ops.selected_rows import SelectedRows
+
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+WAIT = 30.0  # bound of every wait on another thread
+STEPS = 7
+LR = {"dense": 0.1, "sparse": 0.5}
+
+
+# -- models and batches ------------------------------------------------------------------
+
+
+def dense_model():
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 11
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [8])
+        y = layers.data("y", [1], dtype="int64")
+        h = layers.fc(x, 16, act="tanh")
+        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 3), y))
+        fluidps.optimizer.SGD(LR["dense"]).minimize(loss)
+    return main, startup, loss
+
+
+def sparse_model():
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 12
+    with fluidps.program_guard(main, startup):
+        ids = layers.data("ids", [1], dtype="int64")
+        y = layers.data("y", [1], dtype="int64")
+        emb = layers.embedding(ids, [20, 4], is_sparse=True)
+        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(emb, 3), y))
+        fluidps.optimizer.SGD(LR["sparse"]).minimize(loss)
+    return main, startup, loss
+
+
+MODELS: dict[str, Callable] = {"dense": dense_model, "sparse": sparse_model}
+
+
+def batch(kind: str, step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(100 + step)
+    y = rng.integers(0, 3, (6, 1)).astype("int64")
+    if kind == "dense":
+        return {"x": rng.normal(size=(6, 8)).astype("float32"), "y": y}
+    # repeated ids inside a batch, and rows on both pservers' slices
+    return {"ids": rng.integers(0, 20, (6, 1)).astype("int64"), "y": y}
+
+
+def copy_value(value: Any) -> Any:
+    return value.copy() if isinstance(value, SelectedRows) else np.array(value, copy=True)
+
+
+# -- the job -----------------------------------------------------------------------------
+
+
+class Recorder:
+    """Wraps what a trainer Runtime puts on the wire, gradients pushed and parameters
+    pulled: (step, items) of every exchange."""
+
+    def __init__(self, runtime):
+        self.sends: list[tuple[int, list[tuple[str, str, Any]]]] = []
+        self.gets: list[tuple[int, list[tuple[str, str]], list[Any]]] = []
+        push, pull = runtime._push, runtime._pull
+
+        def recording_push(items, trainer_id):
+            self.sends.append((runtime.step, [(ep, n, copy_value(v)) for ep, n, v in items]))
+            return push(items, trainer_id)
+
+        def recording_pull(items, trainer_id):
+            values = pull(items, trainer_id)
+            self.gets.append((runtime.step, list(items), [copy_value(v) for v in values]))
+            return values
+
+        runtime._push, runtime._pull = recording_push, recording_pull
+
+
+class PServers:
+    """Each pserver on its own thread with its own Executor (listen_and_serv)."""
+
+    def __init__(self, transpiler, eps: list[str]):
+        self.errors: list[BaseException] = []
+        self.executors = {ep: fluidps.Executor(rpc_settings=SETTINGS) for ep in eps}
+        self.threads = [threading.Thread(target=self._run, args=(transpiler, ep), daemon=True) for ep in eps]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, transpiler, endpoint: str) -> None:
+        exe = self.executors[endpoint]
+        try:
+            main, startup = transpiler.get_pserver_programs(endpoint)
+            exe.run(startup)
+            exe.run(main)  # serves until the trainer sends COMPLETE
+        except BaseException as e:
+            self.errors.append(e)
+        finally:
+            exe.close()
+
+    def server(self, endpoint: str):
+        """The ParameterServer loop of `endpoint` (there once it answered a request)."""
+        return self.executors[endpoint].runtime.servers[0]
+
+    def drain(self, endpoint: str) -> None:
+        """Wait until the pserver has applied every gradient it queued."""
+        server = self.server(endpoint)
+        runtime = self.executors[endpoint].runtime
+        deadline = time.monotonic() + WAIT
+        for grad in server.grad_block:
+            while len(runtime.queue(grad)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(runtime.queue(grad)) == 0, f"{endpoint} did not apply its queued {grad} in {WAIT} s"
+        for lock in server.locks.values():  # a worker that popped a gradient holds its lock while applying it
+            assert lock.acquire(timeout=WAIT)
+            lock.release()
+
+    def join(self) -> None:
+        deadline = time.monotonic() + WAIT
+        for thread in self.threads:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        assert not any(t.is_alive() for t in self.threads), "a pserver did not stop"
+        assert not self.errors, self.errors
+
+
+def endpoints() -> list[str]:
+    tag = uuid.uuid4().hex[:8]
+    return [f"inproc://ps0-{tag}", f"inproc://ps1-{tag}"]
+
+
+def transpile(kind: str, n: int, m: int):
+    main, startup, loss = MODELS[kind]()
+    eps = endpoints()
+    config = fluidps.DistributeTranspilerConfig(
+        mode="async", send_interval=n, recv_interval=m, min_block_size=8
+    )
+    t = fluidps.DistributeTranspiler(config)
+    t.transpile(0, main, ",".join(eps), trainers=1, startup_program=startup)
+    return main, startup, loss, eps, t
+
+
+@dataclass
+class Job:
+    kind: str
+    main: Any
+    startup: Any
+    loss: Any
+    plan: Any
+    params: list[str]
+    sends: list = field(default_factory=list)
+    gets: list = field(default_factory=list)
+    used: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # step -> parameters it ran with
+    stats: dict[str, dict] = field(default_factory=dict)  # endpoint -> pserver stats at the end
+    served: dict[str, np.ndarray] = field(default_factory=dict)  # slice name -> pserver value at the end
+
+
+def run_job(kind: str, n: int, m: int, fetch_lists: Callable[[int, list], list] | None = None) -> Job:
+    """STEPS async steps; `fetch_lists(step, params)` gives each step's fetch list
+    (default: the same every step: the loss and every parameter)."""
+    main, startup, loss, eps, t = transpile(kind, n, m)
+    params = [p.name for p in main.all_parameters()]
+    job = Job(kind, main, startup, loss, t.plan, params)
+    assert {s.endpoint for s in job.plan.slices} == set(eps)  # both pservers own slices
+    assert any(len(job.plan.slices_of(p)) > 1 for p in params)  # and a parameter is cut in two
+    servers = PServers(t, eps)
+    exe = fluidps.Executor(rpc_settings=SETTINGS)
+    recorder = Recorder(exe.runtime)
+    try:
+        exe.run(t.get_trainer_startup_program())
+        job.used[1] = {p: np.array(exe.scope[p], copy=True) for p in params}
+        trainer = t.get_trainer_program()
+        for step in range(1, STEPS + 1):
+            fetch = [loss, *params] if fetch_lists is None else fetch_lists(step, [loss, *params])
+            exe.run(trainer, feed=batch(kind, step), fetch_list=fetch)
+            job.used[step + 1] = {p: np.array(exe.scope[p], copy=True) for p in params}
+        for ep in eps:
+            servers.drain(ep)
+            server = servers.server(ep)
+            job.stats[ep] = server.stats()
+            for s in job.plan.slices_on(ep):
+                job.served[s.name] = np.array(server.env[s.name], copy=True)
+        sent_while_training = len(recorder.sends)
+    finally:
+        problems = exe.close()  # the steps since the last upload go too, then COMPLETE
+        servers.join()
+    assert problems == []
+    job.sends, job.gets = recorder.sends[:sent_while_training], recorder.gets
+    job.flushed = recorder.sends[sent_while_training:]
+    return job
+
+
+# -- references --------------------------------------------------------------------------
+
+
+def local_gradients(job: Job) -> dict[int, dict[str, Any]]:
+    """Each step's gradient of every parameter, by a local Executor on the original
+    program, the step's batch and the parameters the trainer ran the step with."""
+    local = fluidps.Executor()
+    local.run(job.startup)
+    grads = [f"{p}@GRAD" for p in job.params]
+    assert all(g in job.main.global_block().vars for g in grads)
+    out = {}
+    for step in range(1, STEPS + 1):
+        for p in job.params:
+            local.scope[p] = job.used[step][p].copy()
+        values = local.run(job.main, feed=batch(job.kind, step), fetch_list=grads)
+        out[step] = {p: copy_value(v) for p, v in zip(job.params, values, strict=True)}
+    return out
+
+
+def slice_of(grad: Any, s) -> Any:
+    """The part of a whole gradient that slice `s` owns (sparse rows renumbered)."""
+    if isinstance(grad, SelectedRows):
+        mask = (grad.rows >= s.offset) & (grad.rows < s.offset + s.rows)
+        return SelectedRows(grad.rows[mask] - s.offset, grad.value[mask], s.rows)
+    return grad[s.offset : s.offset + s.rows]
+
+
+def expected_push(grads: dict[int, dict[str, Any]], s, steps: list[int]) -> Any:
+    """What one SEND should carry for slice `s` after `steps`: the mean of the
+    step gradients (sparse: their rows concatenated, values scaled by 1/n)."""
+    parts = [slice_of(grads[step][s.param], s) for step in steps]
+    if s.sparse:
+        rows = np.concatenate([p.rows for p in parts])
+        value = np.concatenate([p.value for p in parts]) / np.float32(len(parts))
+        return SelectedRows(rows, value.astype(np.float32), s.rows)
+    return (sum(parts[1:], parts[0].copy()) / np.float32(len(parts))).astype(np.float32)
+
+
+def assert_same(got: Any, want: Any, what: str) -> None:
+    if isinstance(want, SelectedRows):
+        assert isinstance(got, SelectedRows), what
+        assert got.height == want.height, what
+        np.testing.assert_array_equal(got.rows, want.rows, err_msg=what)
+        np.testing.assert_allclose(got.value, want.value, rtol=1e-5, atol=1e-7, err_msg=what)
+    else:
+        assert isinstance(got, np.ndarray), what
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=what)
+
+
+def expected_get_steps(m: int) -> list[int]:
+    # The startup program's recv (step 0; the trainer program's recv pulls the same
+    # slices, so it starts from those), then every step divisible by m.
+    return [0, *(s for s in range(1, STEPS + 1) if s % m == 0)]
+
+
+# -- tests -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
+@pytest.mark.parametrize(("n", "m"), [(2, 3), (3, 2)])
+def test_sends_every_n_steps_the_mean_and_gets_every_m(kind, n, m):
+    job = run_job(kind, n, m)
+    plan = job.plan
+    every_slice = sorted((s.endpoint, s.grad) for s in plan.slices)
+
+    # SEND: exactly at steps n, 2n, ...: one call carrying every slice
+    assert [step for step, _ in job.sends] == list(range(n, STEPS + 1, n))
+    for _, items in job.sends:
+        assert sorted((ep, name) for ep, name, _ in items) == every_slice
+
+    # GET: startup, then every m steps; every slice each time
+    assert [step for step, _, _ in job.gets] == expected_get_steps(m)
+    for _, items, _ in job.gets:
+        assert sorted(items) == sorted((s.endpoint, s.name) for s in plan.slices)
+
+    # Between GETs the trainer runs with the values of the last GET.
+    downloads = {}
+    for step, items, values in job.gets:
+        by_slice = dict(zip([name for _, name in items], values, strict=True))
+        downloads[step] = {
+            p: np.concatenate([by_slice[s.name] for s in plan.slices_of(p)])
+            if len(plan.slices_of(p)) > 1
+            # a whole parameter: its one value
+            else by_slice[plan.slices_of(p)[0].name]
+            for p in job.params
+        }
+    for step in range(1, STEPS + 2):
+        last = max(s for s in downloads if s < step)  # the forward of `step` runs before its recv
+        for p in job.params:
+            np.testing.assert_array_equal(
+                job.used[step][p], downloads[last][p], err_msg=f"{p} at step {step}"
+            )
+
+    # The pushed gradient is the mean of the n local gradients.
+    grads = local_gradients(job)
+    for k, (step, items) in enumerate(job.sends):
+        steps = list(range(step - n + 1, step + 1))
+        assert steps == list(range(k * n + 1, (k + 1) * n + 1))
+        pushed = {name: value for _, name, value in items}
+        for s in plan.slices:
+            assert_same(pushed[s.grad], expected_push(grads, s, steps), f"{s.grad} sent at step {step}")
+    # Closing uploads the mean of the steps since the last upload (none are lost).
+    leftover = list(range(STEPS - STEPS % n + 1, STEPS + 1))
+    assert [step for step, _ in job.flushed] == ([STEPS] if leftover else [])
+    for _, items in job.flushed:
+        pushed = {name: value for _, name, value in items}
+        for s in plan.slices:
+            assert_same(pushed[s.grad], expected_push(grads, s, leftover), f"{s.grad} sent at close")
+
+    # The pservers' side: one clock event per SEND, the sparse rows they received,
+    # and what they end with: the initial values minus lr times every pushed gradient.
+    lr = LR[kind]
+    for ep, stats in job.stats.items():
+        clocks = [e for e in stats["clock_log"] if e["event"] == "clock"]
+        assert len(clocks) == len(job.sends), clocks
+        assert [e["trainer"] for e in clocks] == [0] * len(job.sends)
+        assert all(a["step"] < b["step"] for a, b in itertools.pairwise(clocks))
+        sparse = [s for s in plan.slices_on(ep) if s.sparse]
+        want_rows = {
+            s.grad: [
+                int(r) for _, items in job.sends for _, name, v in items if name == s.grad for r in v.rows
+            ]
+            for s in sparse
+        }
+        assert stats["received_rows"] == {g: rows for g, rows in want_rows.items() if rows}
+    initial = job.used[1]
+    for s in plan.slices:
+        total = np.zeros(s.shape, np.float32)
+        for _, items in job.sends:
+            (value,) = [v for _, name, v in items if name == s.grad]
+            total += value.to_dense() if isinstance(value, SelectedRows) else value
+        want = slice_of(initial[s.param], s) - np.float32(lr) * total
+        np.testing.assert_allclose(job.served[s.name], want, rtol=1e-5, atol=1e-6, err_msg=s.name)
+
+
+def test_sparse_push_concatenates_the_rows_of_the_n_steps():
+    """The sparse case spelled out: after n=2 steps the pushed SelectedRows of each
+    slice holds step 1's rows then step 2's (duplicates kept), values halved."""
+    n = 2
+    job = run_job("sparse", n, 3)
+    grads = local_gradients(job)
+    step, items = job.sends[0]
+    assert step == n
+    for s in [s for s in job.plan.slices if s.sparse]:
+        (pushed,) = [v for _, name, v in items if name == s.grad]
+        first, second = (slice_of(grads[i][s.param], s) for i in (1, 2))
+        np.testing.assert_array_equal(pushed.rows, np.concatenate([first.rows, second.rows]))
+        np.testing.assert_allclose(
+            pushed.value, np.concatenate([first.value, second.value]) * np.float32(0.5), rtol=1e-6, atol=1e-8
+        )
+        assert pushed.height == s.rows
+
+
+def alternating_fetch(step: int, fetch: list) -> list:
+    return fetch if step % 2 else fetch[1:]  # the loss on odd steps only
+
+
+@pytest.mark.parametrize("fetch_lists", [alternating_fetch], ids=["fetch-list-changes"])
+def test_intervals_do_not_depend_on_the_fetch_list(fetch_lists):
+    """Fetching something else on some steps (a metric every k steps) must not change
+    when gradients are sent or what is sent: the interval counts steps of the job."""
+    n, m = 2, 3
+    job = run_job("dense", n, m, fetch_lists)
+    assert [step for step, _ in job.sends] == list(range(n, STEPS + 1, n))
+    assert [step for step, _, _ in job.gets] == expected_get_steps(m)
+    grads = local_gradients(job)
+    for step, items in job.sends:
+        pushed = {name: value for _, name, value in items}
+        for s in job.plan.slices:
+            want = expected_push(grads, s, list(range(step - n + 1, step + 1)))
+            assert_same(pushed[s.grad], want, f"{s.grad} sent at step {step}")
+
+
+def test_gradients_queued_when_the_trainer_completes_are_still_applied():
+    """An async pserver acknowledges a SEND when it queues the gradient; a worker applies
+    it later. If the workers are busy (a slow optimize step, here: the test holds their
+    locks) when the last trainer says COMPLETE, the gradients still queued must be
+    applied before the pserver stops (and writes its final checkpoint), not dropped."""
+    main, _, loss, eps, t = transpile("dense", 1, 10)
+    params = [p.name for p in main.all_parameters()]
+    servers = PServers(t, eps)
+    exe = fluidps.Executor(rpc_settings=SETTINGS)
+    recorder = Recorder(exe.runtime)
+    held: list[threading.Lock] = []
+    problems: list[str] = ["not closed"]
+    try:
+        exe.run(t.get_trainer_startup_program())
+        initial = {p: np.array(exe.scope[p], copy=True) for p in params}
+        loops = {ep: servers.server(ep) for ep in eps}  # they outlive their executors' runtimes
+        queues = {g: servers.executors[ep].runtime.queue(g) for ep in eps for g in loops[ep].grad_block}
+        trainer = t.get_trainer_program()
+        exe.run(trainer, feed=batch("dense", 1), fetch_list=[loss])  # step 1: SEND (no GET: recv_interval 10)
+        for ep in eps:
+            servers.drain(ep)
+            for lock in loops[ep].locks.values():
+                assert lock.acquire(timeout=WAIT)
+                held.append(lock)
+        # Steps 2 and 3: two more SENDs acknowledged (queued), no GET (recv_interval 10).
+        for step in (2, 3):
+            exe.run(trainer, feed=batch("dense", step), fetch_list=[loss])
+        assert [s for s, _ in recorder.sends] == [1, 2, 3] and [s for s, _, _ in recorder.gets] == [0]
+        problems = exe.close()  # COMPLETE: every SEND was acknowledged before it
+        deadline = time.monotonic() + WAIT
+        # Private, but the one observable moment: the loops ended and stopped their workers.
+        while not all(loop._stop.is_set() for loop in loops.values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(loop._stop.is_set() for loop in loops.values()), "the pserver loops did not end"
+    finally:
+        for lock in held:
+            lock.release()
+        if problems == ["not closed"]:
+            exe.close()
+        servers.join()
+    assert problems == []
+    left = {g: len(q) for g, q in queues.items() if len(q)}
+    assert not left, f"gradients acknowledged but still queued when the pservers stopped: {left}"
+    lr = np.float32(LR["dense"])
+    for s in t.plan.slices:
+        total = sum(v for _, items in recorder.sends for _, name, v in items if name == s.grad)
+        want = slice_of(initial[s.param], s) - lr * total
+        got = loops[s.endpoint].env[s.name]
+        np.testing.assert_allclose(
+            got, want, rtol=1e-5, atol=1e-6, err_msg=f"{s.name}: not every acknowledged gradient was applied"
+        )

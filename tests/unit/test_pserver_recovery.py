@@ -1,0 +1,326 @@
+"""Pserver checkpoints and trainers coming and going, with whole jobs in one process.
+
+Pservers run on threads with their own Executors (as listen_and_serv runs in a
+pserver process); trainers are Executors in the test. Checks are numeric: a job
+stopped, checkpointed and resumed on a different number of pservers continues
+exactly as uninterrupted local training would; a paused trainer's absence is
+exactly training on the other trainer's batches.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import zmq
+
+import fluidps
+from fluidps.executor.rpc import RpcClient, RpcSettings
+from fluidps.executor.wire import Kind, Message
+from fluidps.io.checkpoints import merge_checkpoints, scan
+from helpers import build_mlp
+
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+
+
+def adam_mlp():
+    main, startup, loss = build_mlp(hidden=16, classes=3)
+    startup.random_seed = 5
+    with fluidps.program_guard(main, startup):
+        fluidps.optimizer.Adam(0.01).minimize(loss)
+    return main, startup, loss
+
+
+def batches(n: int, size: int = 8, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(size, 64)).astype("float32"),
+            "y": rng.integers(0, 3, (size, 1)).astype("int64"),
+        }
+        for _ in range(n)
+    ]
+
+
+class Job:
+    """One trainer program's pservers on threads, over inproc endpoints."""
+
+    def __init__(self, main, startup, pservers: int, trainers: int = 1, **config):
+        tag = uuid.uuid4().hex[:8]
+        self.endpoints = [f"inproc://ps{i}-{tag}" for i in range(pservers)]
+        self.transpilers = []
+        for trainer_id in range(trainers):
+            t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8, **config))
+            t.transpile(
+                trainer_id, main, ",".join(self.endpoints), trainers=trainers, startup_program=startup
+            )
+            self.transpilers.append(t)
+        self.errors: list[BaseException] = []
+        self.servers: list[fluidps.Executor] = []
+        self.final_stats: dict[str, dict] = {}  # per endpoint, when its loop ended
+        self.threads = [
+            threading.Thread(target=self._serve, args=(ep,), daemon=True) for ep in self.endpoints
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _serve(self, endpoint: str) -> None:
+        exe = fluidps.Executor(rpc_settings=SETTINGS)
+        self.servers.append(exe)
+        try:
+            main, startup = self.transpilers[0].get_pserver_programs(endpoint)
+            exe.run(startup)
+            exe.run(main)
+        except BaseException as e:
+            self.errors.append(e)
+        finally:
+            if exe.runtime.servers:
+                self.final_stats[endpoint] = exe.runtime.servers[0].stats()
+            exe.close()
+
+    def trainer(self, trainer_id: int = 0) -> tuple[fluidps.Executor, fluidps.Program]:
+        exe = fluidps.Executor(rpc_settings=SETTINGS)
+        exe.run(self.transpilers[trainer_id].get_trainer_startup_program())
+        return exe, self.transpilers[trainer_id].get_trainer_program()
+
+    def observe(self, kind: int, endpoint: str) -> Message:
+        client = RpcClient(zmq.Context.instance(), endpoint, f"pserver {endpoint}", SETTINGS)
+        try:
+            return client.call(Message(kind))
+        finally:
+            client.close()
+
+    def wait_until_trainer(self, trainer: int, state: str, timeout: float = 30.0) -> None:
+        """Until every pserver sees `trainer` in `state` (live, paused, done, lost)."""
+        deadline = time.monotonic() + timeout
+        for endpoint in self.endpoints:
+            while json.loads(self.observe(Kind.STATS, endpoint).text)["trainers"][str(trainer)] != state:
+                assert time.monotonic() < deadline, f"trainer {trainer} is not {state} on {endpoint}"
+                time.sleep(0.01)
+
+    def join(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        assert not any(t.is_alive() for t in self.threads), "a pserver did not stop"
+        assert not self.errors, self.errors
+
+
+def persistables(main) -> list[str]:
+    return sorted(
+        n for n, v in main.global_block().vars.items() if v.persistable and n not in ("feed", "fetch")
+    )
+
+
+def test_a_job_resumed_on_more_pservers_continues_exactly_as_local_training(tmp_path):
+    main, startup, loss = adam_mlp()
+    params = [p.name for p in main.all_parameters()]
+    data = batches(10)
+    ckpt = str(tmp_path / "ckpt")
+
+    # Five steps on two pservers, which checkpoint every two steps and when they stop.
+    first = Job(main, startup, pservers=2, checkpoint_dir=ckpt, checkpoint_every_steps=2)
+    exe, trainer = first.trainer()
+    local = fluidps.Executor()  # local training from the values the trainer pulled
+    local.run(startup)
+    for name in params:
+        local.scope[name] = np.array(exe.scope[name], copy=True)
+    local_losses = [float(local.run(main, feed=b, fetch_list=[loss])[0]) for b in data]
+    losses = [float(exe.run(trainer, feed=b, fetch_list=[loss])[0]) for b in data[:5]]
+    assert exe.close() == []
+    first.join()
+    saved = scan(ckpt)
+    assert {c.pserver_id for c in saved} == {0, 1}
+    # Periodic checkpoints at steps 2 and 4, then one at the end (step 5); the last 3 are kept.
+    assert [(c.count, c.step, c.reason) for c in saved if c.pserver_id == 0] == [
+        (1, 2, "periodic"),
+        (2, 4, "periodic"),
+        (3, 5, "end"),
+    ]
+    model = merge_checkpoints(ckpt)
+    assert set(model) >= set(params) and any("moment1" in n for n in model)
+
+    # Five more steps on three pservers, restored from the two pservers' checkpoints.
+    second = Job(main, startup, pservers=3, checkpoint_dir=ckpt)
+    exe, trainer = second.trainer()
+    for name in model:
+        if name in exe.scope:
+            np.testing.assert_array_equal(exe.scope[name], model[name], err_msg=name)
+    losses += [float(exe.run(trainer, feed=b, fetch_list=[loss])[0]) for b in data[5:]]
+    reply = second.observe(Kind.CHECKPOINT, second.endpoints[2])  # on demand
+    assert json.loads(reply.text)["pserver_id"] == 2
+    final = {n: np.array(exe.scope[n], copy=True) for n in [p.name for p in main.all_parameters()]}
+    assert exe.close() == []
+    second.join()
+    np.testing.assert_allclose(losses, local_losses, rtol=1e-5, atol=1e-6)
+    for name, value in final.items():
+        np.testing.assert_allclose(value, local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # The optimizer state went through the resharding too: every persistable matches.
+    resumed = merge_checkpoints(ckpt)
+    for name in resumed:
+        np.testing.assert_allclose(resumed[name], local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert all(any("restored" in line for line in stats["log"]) for stats in second.final_stats.values())
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    main, startup, loss = adam_mlp()
+    ckpt = tmp_path / "ckpt"
+    job = Job(main, startup, pservers=1, checkpoint_dir=str(ckpt), checkpoint_every_steps=1)
+    exe, trainer = job.trainer()
+    for b in batches(3):
+        exe.run(trainer, feed=b, fetch_list=[loss])
+    exe.close()
+    job.join()
+    newest = max(scan(ckpt), key=lambda c: c.count)
+    data = bytearray(newest.data_path.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    newest.data_path.write_bytes(bytes(data))
+    again = Job(main, startup, pservers=1, checkpoint_dir=str(ckpt))
+    exe, _ = again.trainer()
+    exe.close()
+    again.join()
+    (stats,) = again.final_stats.values()
+    log = stats["log"]
+    assert any("is corrupt" in line and newest.data_path.name in line for line in log), log
+    assert any("restored" in line and "step 2" in line for line in log), log  # the previous one
+
+
+def test_checkpoint_on_request_without_a_directory_is_a_clear_error():
+    main, startup, _ = adam_mlp()
+    job = Job(main, startup, pservers=1)
+    exe, _ = job.trainer()
+    try:
+        with pytest.raises(
+            fluidps.Error, match="has no checkpoint directory: set DistributeTranspilerConfig"
+        ):
+            job.observe(Kind.CHECKPOINT, job.endpoints[0])
+    finally:
+        exe.close()
+        job.join()
+
+
+def test_a_paused_trainer_is_not_waited_for_and_resumes_by_sending():
+    """Sync mode: while trainer 1 is paused, a step is trainer 0's batch alone; once it
+    sends again, steps average both trainers' gradients again."""
+    main, startup, loss = adam_mlp()
+    params = [p.name for p in main.all_parameters()]
+    job = Job(main, startup, pservers=2, trainers=2)
+    (exe0, prog0), (exe1, prog1) = job.trainer(0), job.trainer(1)
+    local = fluidps.Executor()
+    local.run(startup)
+    for name in params:
+        local.scope[name] = np.array(exe0.scope[name], copy=True)
+    mine, theirs = batches(6, size=4, seed=1), batches(3, size=4, seed=2)
+    try:
+        exe1.runtime.pause()
+        job.wait_until_trainer(1, "paused")
+        for b in mine[:3]:  # trainer 0 alone: exactly local training on its batches
+            exe0.run(prog0, feed=b, fetch_list=[loss])
+            local.run(main, feed=b)
+        for name in params:
+            np.testing.assert_allclose(
+                exe0.scope[name], local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name
+            )
+        # Trainer 1 pulls the current parameters (it last did at its startup), then sends again.
+        exe1.run(job.transpilers[1].get_trainer_startup_program())
+        for i, (b0, b1) in enumerate(zip(mine[3:], theirs, strict=True)):  # both trainers at once
+            other = threading.Thread(target=exe1.run, args=(prog1,), kwargs={"feed": b1})
+            other.start()
+            if i == 0:  # trainer 1 resumes when its gradients arrive: let them, before trainer 0's barrier
+                job.wait_until_trainer(1, "live")
+            exe0.run(prog0, feed=b0)
+            other.join(timeout=60)
+            assert not other.is_alive()
+            local.run(main, feed={k: np.concatenate([b0[k], b1[k]]) for k in b0})  # the mean gradient
+        for name in params:
+            np.testing.assert_allclose(
+                exe0.scope[name], local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name
+            )
+            np.testing.assert_array_equal(exe0.scope[name], exe1.scope[name])
+        stats = job.servers[0].runtime.servers[0].stats()
+        assert stats["completed_steps"] == 6 and stats["trainers"] == {"0": "live", "1": "live"}
+    finally:
+        exe0.close()
+        exe1.close()
+        job.join()
+
+
+def test_a_trainer_skipping_a_sync_step_leaves_it_to_the_others():
+    """Driven step by step (a RemoteExecutor), a trainer with no batch sends its barrier
+    without gradients: the step is the other trainer's batch alone, and nobody waits."""
+    main, startup, _loss = adam_mlp()
+    params = [p.name for p in main.all_parameters()]
+    job = Job(main, startup, pservers=2, trainers=2)
+    (exe0, prog0), (exe1, prog1) = job.trainer(0), job.trainer(1)
+    local = fluidps.Executor()
+    local.run(startup)
+    for name in params:
+        local.scope[name] = np.array(exe0.scope[name], copy=True)
+    mine, theirs = batches(4, size=4, seed=3), batches(4, size=4, seed=4)
+    try:
+        for step, (b0, b1) in enumerate(zip(mine, theirs, strict=True)):
+            if (
+                step % 2
+            ):  # trainer 1 has no batch on odd steps: it skips, then pulls (as an executor server does)
+
+                def skip() -> None:
+                    exe1.runtime.skip_step()
+                    exe1.run(job.transpilers[1].get_trainer_startup_program())
+
+                other = threading.Thread(target=skip)
+                local_feed = b0
+            else:
+                other = threading.Thread(target=exe1.run, args=(prog1,), kwargs={"feed": b1})
+                local_feed = {k: np.concatenate([b0[k], b1[k]]) for k in b0}
+            other.start()
+            exe0.run(prog0, feed=b0)
+            other.join(timeout=60)
+            assert not other.is_alive()
+            local.run(main, feed=local_feed)
+        for name in params:
+            np.testing.assert_allclose(
+                exe0.scope[name], local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name
+            )
+    finally:
+        exe0.close()
+        exe1.close()
+        job.join()
+    assert {s["completed_steps"] for s in job.final_stats.values()} == {4}
+
+
+def _deferred(job: Job, endpoint: str) -> int:
+    return json.loads(job.observe(Kind.STATS, endpoint).text)["deferred_gets"]
+
+
+@pytest.mark.parametrize("staleness", [0, 10**9])
+def test_ssp_staleness_bounds_how_far_a_trainer_runs_ahead(staleness):
+    """Staleness 0: a trainer one step ahead waits for the slowest (as in sync mode);
+    an unbounded staleness never waits (as in async mode)."""
+    main, startup, _loss = adam_mlp()
+    job = Job(main, startup, pservers=1, trainers=2, mode="ssp", staleness=staleness)
+    (exe0, prog0), (exe1, prog1) = job.trainer(0), job.trainer(1)
+    data = batches(3, size=4)
+    try:
+        ahead = threading.Thread(target=lambda: [exe0.run(prog0, feed=b) for b in data])
+        ahead.start()
+        if staleness == 0:
+            deadline = time.monotonic() + 30
+            while _deferred(job, job.endpoints[0]) == 0:  # its first step's GET waits for trainer 1
+                assert time.monotonic() < deadline and ahead.is_alive()
+                time.sleep(0.01)
+            for b in data:  # trainer 1 steps: trainer 0 may go on, one step at a time
+                exe1.run(prog1, feed=b)
+        ahead.join(timeout=60)
+        assert not ahead.is_alive()
+        assert _deferred(job, job.endpoints[0]) == 0
+    finally:
+        exe0.close()
+        exe1.close()
+        job.join()
+    (stats,) = job.final_stats.values()
+    grants = [e for e in stats["clock_log"] if e["event"] == "grant" and e["trainer"] == 0]
+    assert max(e["step"] - e["slowest"] for e in grants) == (0 if staleness == 0 else 3)
