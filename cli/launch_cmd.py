@@ -64,7 +64,7 @@ class _OneLineErrors(click.Command):
               help="With --dataset: where pservers checkpoint (default: LOG_DIR/checkpoints or a temporary one).")  # fmt: skip
 @click.option("--checkpoint-every-steps", type=click.IntRange(min=0), default=0, show_default=True,
               help="With --dataset: pservers checkpoint every N steps (0: not by steps).")  # fmt: skip
-@click.option("--checkpoint-every-seconds", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--checkpoint-every-seconds", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="With --dataset: pservers checkpoint every S seconds (0: not by time).")  # fmt: skip
 @click.option("--progress/--no-progress", default=None,
               help="With --dataset: show a progress bar (default: when stderr is a terminal).")  # fmt: skip
@@ -100,7 +100,7 @@ def launch(
     With --dataset, a coordinator hands the trainers the dataset's tasks
     (FLUIDPS_DATASET, FLUIDPS_COORDINATOR; fluidps.layers.dataset_reader reads
     them), pservers checkpoint, and a process that dies is started again: a
-    pserver from its last checkpoint, the coordinator from its snapshot, a trainer
+    pserver from its newest checkpoint, the coordinator from its snapshot, a trainer
     rejoining while its task goes to another. The job ends when every pass is done.
     """
     try:

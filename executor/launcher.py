@@ -151,7 +151,7 @@ class DatasetJob:
     max_restarts: int = 3  # per process
     checkpoint_dir: str | None = None  # default: checkpoints/ in the log (or a temporary) directory
     checkpoint_every_steps: int = 0
-    checkpoint_every_seconds: float = 30.0
+    checkpoint_every_seconds: float = 10.0
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
 
     def __post_init__(self) -> None:
@@ -544,8 +544,8 @@ class Launcher:
             return f"restarting it ({n}); its task goes back to the queue and it rejoins the job"
         if child.role == "pserver":
             return (
-                f"restarting it ({n}) from its last checkpoint in {self.checkpoint_dir}; the trainers reconnect "
-                "(updates since that checkpoint are lost)"
+                f"restarting it ({n}); it restores its newest checkpoint in {self.checkpoint_dir} (what it "
+                "learned since is lost) and the trainers reconnect"
             )
         return f"restarting it ({n}) from its snapshot; the trainers reconnect and no task is lost"
 

@@ -133,7 +133,9 @@ class TaskReader:
         """The step using this task's batch failed: the task goes back (or is discarded)."""
         if self._lease is not None and self._source is not None:
             lease, self._lease = self._lease, None
-            self._source.fail(lease, reason[:2000])
+            self._source.fail(
+                lease, reason.splitlines()[0][:500] if reason else "failed"
+            )  # the gist, for its log
 
     def close(self) -> None:
         """Report a task whose every batch was used; give back one left half done."""

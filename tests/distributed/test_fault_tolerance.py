@@ -174,7 +174,7 @@ def fault_free(tmp_path_factory, digits) -> float:
     "victim, recovery",
     [
         ("trainer.1", "its task goes back to the queue and it rejoins the job"),
-        ("pserver.1", "from its last checkpoint"),
+        ("pserver.1", "it restores its newest checkpoint"),
         ("coordinator", "from its snapshot; the trainers reconnect and no task is lost"),
     ],
 )
