@@ -44,7 +44,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMB
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -57,6 +56,7 @@ import zmq  # noqa: E402
 
 import fluidps  # noqa: E402
 from bench.local import load_torch, timed, torch_classifier, torch_ctr  # noqa: E402
+from bench.sparse_update import median_ms  # noqa: E402
 from fluidps import layers, optimizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -243,17 +243,6 @@ ctx.term()
 """
 
 
-def median_seconds(run: Callable[[], None], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bandwidth_row(op: str, path: str, nbytes: int, seconds: float, repeats: int, **extra) -> dict:
     return {
         "bench": "bandwidth",
@@ -266,6 +255,11 @@ def bandwidth_row(op: str, path: str, nbytes: int, seconds: float, repeats: int,
         **extra,
         "cores": CORES,
     }
+
+
+def median_seconds(run: Callable[[], None], repeats: int) -> float:
+    """Median seconds of `repeats` timed runs after two warm-up runs."""
+    return median_ms(run, repeats, warmup=2) / 1e3
 
 
 def zmq_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:

@@ -9,8 +9,8 @@ import click
 from fluidps.cli.common import fail
 from fluidps.errors import Error
 from fluidps.executor.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
-from fluidps.executor.launcher import DatasetJob
-from fluidps.executor.launcher import launch as run_job
+from fluidps.executor.dataset_launcher import DatasetJob, DatasetLauncher
+from fluidps.executor.launcher import Launcher
 from fluidps.transpiler.config import MODES
 
 
@@ -104,8 +104,10 @@ def launch(
     rejoining while its task goes to another. The job ends when every pass is done.
     """
     try:
-        job = None
-        if dataset is not None:
+        common = (script, script_args, pservers, trainers, mode, host, start_port, log_dir, grace)
+        if dataset is None:
+            status = Launcher(*common).run()
+        else:
             job = DatasetJob(
                 dataset,
                 task_timeout,
@@ -116,18 +118,7 @@ def launch(
                 checkpoint_every_seconds,
                 progress,
             )
-        status = run_job(
-            script,
-            script_args,
-            pservers=pservers,
-            trainers=trainers,
-            mode=mode,
-            host=host,
-            start_port=start_port,
-            log_dir=log_dir,
-            grace=grace,
-            dataset_job=job,
-        )
+            status = DatasetLauncher(job, *common).run()
     except Error as e:
         fail(str(e))
     sys.exit(status)

@@ -81,13 +81,7 @@ class Coordinator:
             while self._running:
                 for request in self.server.receive(0.2):
                     self._handle(request)
-                if self.queue is not None and self.queue.pending:
-                    expired = self.queue.expire(time.monotonic())
-                    for lease, outcome in expired:
-                        why = f"timed out after {self.queue.timeout:g} s without word from its trainer"
-                        self._report_failure(lease, why, outcome)
-                    if expired:
-                        self._save()
+                self._expire()
         finally:
             self.close()
 
@@ -98,8 +92,21 @@ class Coordinator:
         self.server.close()
         self._context.term()
 
+    def _expire(self) -> None:
+        """Fail (and log) the leases past their deadline; before any request is handled,
+        so that no task goes back to the queue without a word."""
+        if self.queue is None or not self.queue.pending:
+            return
+        expired = self.queue.expire(time.monotonic())
+        for lease, outcome in expired:
+            why = f"timed out after {self.queue.timeout:g} s without word from its trainer"
+            self._report_failure(lease, why, outcome)
+        if expired:
+            self._save()
+
     def _handle(self, request: Request) -> None:
         msg = request.msg
+        self._expire()
         try:
             if msg.kind == Kind.HELLO:
                 self.server.reply(request)

@@ -11,14 +11,8 @@ stops whatever it started. Its output comes back line by line, prefixed with
   (128 + signal number for a process killed by a signal);
 - the launcher gets SIGINT / SIGTERM / SIGHUP: the processes are stopped, status 128 + signal.
 
-With a dataset the job is fault tolerant: a coordinator process hands the
-trainers its tasks (FLUIDPS_COORDINATOR, FLUIDPS_DATASET), the pservers evict
-silent trainers and checkpoint into a directory (FLUIDPS_ELASTIC,
-FLUIDPS_CHECKPOINT_DIR), and a process that dies is started again, up to
-`max_restarts` times each: a pserver restores its last checkpoint, the
-coordinator its snapshot, a trainer rejoins while its task goes to another.
-The job is done when the coordinator has finished every pass and the trainers
-have exited; a progress bar shows the pass, tasks, samples/s and loss.
+With a dataset, the job is fault tolerant instead: see DatasetLauncher
+(fluidps.executor.dataset_launcher).
 
 Whatever happens, every process is stopped and reaped before `run()` returns.
 """
@@ -31,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -39,13 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from fluidps.errors import BuilderError, DatasetError
-from fluidps.executor.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
-from fluidps.executor.progress import CoordinatorWatch, ProgressBar
+from fluidps.errors import BuilderError
 from fluidps.executor.roles import CONTRACT_VARS, format_endpoint
-from fluidps.executor.rpc import RpcSettings
 from fluidps.executor.server_process import thread_limits
-from fluidps.io.dataset import Dataset
 from fluidps.transpiler.config import MODES
 
 POLL_S = 0.05
@@ -141,32 +130,8 @@ def job_environments(
     return jobs
 
 
-@dataclass(frozen=True)
-class DatasetJob:
-    """What makes a launched job read a dataset through a coordinator, and survive failures."""
-
-    dataset: str
-    task_timeout: float = DEFAULT_TASK_TIMEOUT  # an unrenewed task goes to another trainer after this
-    max_task_failures: int = DEFAULT_MAX_FAILURES
-    max_restarts: int = 3  # per process
-    checkpoint_dir: str | None = None  # default: checkpoints/ in the log (or a temporary) directory
-    checkpoint_every_steps: int = 0
-    checkpoint_every_seconds: float = 10.0
-    progress: bool | None = None  # None: a progress bar when stderr is a terminal
-
-    def __post_init__(self) -> None:
-        if self.task_timeout <= 0 or self.max_task_failures < 0 or self.max_restarts < 0:
-            raise BuilderError("task_timeout must be > 0, max_task_failures and max_restarts >= 0")
-        if self.checkpoint_every_steps < 0 or self.checkpoint_every_seconds < 0:
-            raise BuilderError("checkpoint intervals must be >= 0")
-        try:
-            Dataset(self.dataset)
-        except DatasetError as e:
-            raise BuilderError(f"--dataset: {e}") from None
-
-
 @dataclass
-class _Child:
+class Child:
     name: str
     proc: subprocess.Popen
     command: list[str]
@@ -204,7 +169,6 @@ class Launcher:
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
         python: str = sys.executable,
-        dataset_job: DatasetJob | None = None,
     ):
         if not Path(script).is_file():
             raise BuilderError(f"script {script} not found")
@@ -224,13 +188,10 @@ class Launcher:
         # Resolved at run time so a caller that swaps sys.stdout (pytest, click) is honoured.
         self._stdout, self._stderr = stdout, stderr
         self.python = python
-        self.dataset_job = dataset_job
-        self.children: list[_Child] = []
+        self.children: list[Child] = []
         self.endpoints: list[str] = []
-        self.coordinator: str | None = None
-        self.checkpoint_dir: Path | None = None
-        self.state_dir: Path | None = None  # the coordinator's snapshot and default checkpoints
-        self._retired: list[_Child] = []  # processes that died and were started again
+        self.announce_pids = False  # say each process's pid as it starts (restarts make it useful)
+        self._retired: list[Child] = []  # processes that died and were started again
         self._out_lock = threading.Lock()
         self._signal: int | None = None
         self._hurry = False  # a second signal: skip waiting for SIGTERM to work
@@ -248,7 +209,7 @@ class Launcher:
     def _say(self, message: str) -> None:
         self._emit(self._stderr or sys.stderr, f"[launch] {message}\n")
 
-    def _pump(self, child: _Child, pipe: BinaryIO, dest: IO[str]) -> None:
+    def _pump(self, child: Child, pipe: BinaryIO, dest: IO[str]) -> None:
         """Forward one pipe line by line; runs until the process and its group close it."""
         prefix = f"[{child.name}] "
         with pipe:
@@ -289,8 +250,8 @@ class Launcher:
             if log is not None:
                 log.close()
             raise BuilderError(f"cannot start {name}: {e}") from None
-        child = _Child(name, proc, command, env, log, restarts=restarts)
-        if self.dataset_job is not None:  # processes may be restarted: say which is which
+        child = Child(name, proc, command, env, log, restarts=restarts)
+        if self.announce_pids:
             self._say(f"started {name} (pid {proc.pid})")
         old = next((i for i, c in enumerate(self.children) if c.name == name), None)
         if old is None:
@@ -306,13 +267,13 @@ class Launcher:
             t.start()
             child.readers.append(t)
 
-    def _kill_group(self, child: _Child, sig: int) -> None:
+    def _kill_group(self, child: Child, sig: int) -> None:
         # Only called while the leader is unreaped (running or a zombie): its pid, and so
         # its group id, cannot have been reused by an unrelated process yet.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.proc.pid, sig)
 
-    def _reap(self, child: _Child) -> bool:
+    def _reap(self, child: Child) -> bool:
         """Whether `child` has exited; if so, kill what it left in its group and reap it."""
         if child.returncode is not None:
             return True
@@ -333,10 +294,10 @@ class Launcher:
             return False
         return True
 
-    def _live(self) -> list[_Child]:
+    def _live(self) -> list[Child]:
         return [c for c in self.children if not self._reap(c)]
 
-    def _stop(self, children: Sequence[_Child]) -> None:
+    def _stop(self, children: Sequence[Child]) -> None:
         """SIGTERM to each group, SIGKILL to those still there after stop_timeout; reap all."""
         live = [c for c in children if not self._reap(c)]
         for c in live:
@@ -375,38 +336,27 @@ class Launcher:
         """Start the job, wait for it to end, stop and reap everything; the job's status."""
         self.children, self._retired, self._signal, self._hurry = [], [], None, False
         old_handlers = self._install_signal_handlers()
-        watch: CoordinatorWatch | None = None
         try:
             if self.log_dir is not None:
                 try:
                     self.log_dir.mkdir(parents=True, exist_ok=True)
                 except OSError as e:
                     raise BuilderError(f"cannot create log directory {self.log_dir}: {e}") from None
-            job = self.dataset_job
-            ports = pick_ports(self.host, self.pservers + (job is not None), self.start_port)
+            ports = pick_ports(self.host, self.pservers + self.extra_ports, self.start_port)
             self.endpoints = [format_endpoint(self.host, p) for p in ports[: self.pservers]]
-            extra: dict[str, str] = {}
-            if job is not None:
-                extra = self._dataset_environment(job, ports[-1])
-                watch = CoordinatorWatch(self.coordinator, RpcSettings(peer_timeout=5.0))
-            self._say(
-                f"{self.pservers} pserver(s) at {','.join(self.endpoints)}, "
-                f"{self.trainers} trainer(s), mode {self.mode}"
-                + (f", reading {job.dataset} (coordinator at {self.coordinator})" if job else "")
-            )
-            if job is not None:
-                self._start_coordinator(job, extra)
+            extra = self._job_environment(ports[self.pservers :])
+            self._say(self._describe())
+            self._start_helpers()
             for name, env in job_environments(
                 self.host, ports[: self.pservers], self.trainers, self.mode, extra=extra
             ):
                 if self._signal is not None:
                     break
                 self._start(name, env)
-            return self._supervise() if job is None else self._supervise_dataset_job(job, watch)
+            return self._supervise()
         finally:
             self._stop(self.children)
-            if watch is not None:
-                watch.close()
+            self._finish()
             deadline = time.monotonic() + DRAIN_WAIT_S
             for c in [*self._retired, *self.children]:
                 for t in c.readers:
@@ -416,6 +366,26 @@ class Launcher:
                         c.log.close()
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    # -- what a kind of job adds (DatasetLauncher) ---------------------------------------
+
+    extra_ports = 0  # ports the job needs besides the pservers'
+
+    def _job_environment(self, extra_ports: Sequence[int]) -> dict[str, str]:
+        """Environment every process of the job gets on top of the contract."""
+        return {}
+
+    def _describe(self) -> str:
+        return (
+            f"{self.pservers} pserver(s) at {','.join(self.endpoints)}, "
+            f"{self.trainers} trainer(s), mode {self.mode}"
+        )
+
+    def _start_helpers(self) -> None:
+        """Start processes the job needs before its pservers and trainers."""
+
+    def _finish(self) -> None:
+        """Release what the job held, once every process is stopped."""
 
     def _supervise(self) -> int:
         trainers_done_at: float | None = None
@@ -444,129 +414,6 @@ class Launcher:
                     return 0
             time.sleep(POLL_S)
 
-    # -- dataset jobs: a coordinator, restarts, checkpoints -------------------------------
-
-    def _dataset_environment(self, job: DatasetJob, coordinator_port: int) -> dict[str, str]:
-        state = self.log_dir if self.log_dir is not None else Path(tempfile.mkdtemp(prefix="fluidps-launch-"))
-        self.state_dir = state
-        self.coordinator = f"tcp://{format_endpoint(self.host, coordinator_port)}"
-        self.checkpoint_dir = Path(job.checkpoint_dir) if job.checkpoint_dir else state / "checkpoints"
-        return {
-            "FLUIDPS_DATASET": str(Path(job.dataset).resolve()),
-            "FLUIDPS_COORDINATOR": self.coordinator,
-            "FLUIDPS_ELASTIC": "1",
-            "FLUIDPS_CHECKPOINT_DIR": str(self.checkpoint_dir.resolve()),
-            "FLUIDPS_CHECKPOINT_EVERY_STEPS": str(job.checkpoint_every_steps),
-            "FLUIDPS_CHECKPOINT_EVERY_SECONDS": str(job.checkpoint_every_seconds),
-        }
-
-    def _start_coordinator(self, job: DatasetJob, extra: dict[str, str]) -> None:
-        assert self.coordinator is not None
-        env = dict(os.environ)
-        for var in CONTRACT_VARS:
-            env.pop(var, None)
-        env.update(PYTHONUNBUFFERED="1", **thread_limits(1))
-        command = [
-            self.python, "-m", "fluidps", "serve", "--role", "coordinator",
-            "--endpoint", self.coordinator,
-            "--snapshot", str(Path(self.state_dir or ".") / "coordinator.json"),
-            "--task-timeout", str(job.task_timeout),
-            "--max-task-failures", str(job.max_task_failures),
-        ]  # fmt: skip
-        if "FLUIDPS_PEER_TIMEOUT" in os.environ:
-            command += ["--peer-timeout", os.environ["FLUIDPS_PEER_TIMEOUT"]]
-        self._start("coordinator", env, command)
-
-    def _supervise_dataset_job(self, job: DatasetJob, watch: CoordinatorWatch | None) -> int:
-        assert watch is not None
-        bar = ProgressBar(self._stderr or sys.stderr, job.progress)
-        finished_at: float | None = None  # when the coordinator said every pass is done
-        trainers_done_at: float | None = None
-        next_poll = 0.0
-        try:
-            while True:
-                if self._signal is not None:
-                    self._say(f"got {signal.Signals(self._signal).name}; stopping the job")
-                    return 128 + self._signal
-                now = time.monotonic()
-                if now >= next_poll:
-                    next_poll = now + 0.5
-                    bar.update(watch.poll())
-                    if watch.finished and finished_at is None:
-                        finished_at = now
-                for c in list(self.children):
-                    if c.returncode is not None or not self._reap(c):
-                        continue
-                    if c.returncode == 0 and c.role != "coordinator":
-                        continue
-                    if c.role == "trainer" and finished_at is not None:
-                        self._say(
-                            f"{c.name} {describe_exit(c.returncode)} after the last pass; not restarted"
-                        )
-                        continue
-                    if c.restarts >= job.max_restarts:
-                        self._say(
-                            f"{c.name} {describe_exit(c.returncode)}; it was restarted {c.restarts} time(s), "
-                            "the most allowed: stopping the job"
-                        )
-                        return exit_status(c.returncode) or 1
-                    self._say(f"{c.name} {describe_exit(c.returncode)}; {self._recovery(c)}")
-                    time.sleep(0.2)  # a crash loop must not spin
-                    self._start(c.name, c.env, c.command, c.restarts + 1)
-                trainers = [c for c in self.children if c.role == "trainer"]
-                if trainers_done_at is None and all(c.returncode is not None for c in trainers):
-                    trainers_done_at = now
-                if trainers_done_at is not None:
-                    pservers = [c for c in self.children if c.is_pserver and not self._reap(c)]
-                    if not pservers or now - trainers_done_at >= self.grace:
-                        if pservers:
-                            names = ", ".join(c.name for c in pservers)
-                            self._say(
-                                f"stopping {names}: still running {self.grace:g}s after the trainers finished"
-                            )
-                        bar.update(watch.poll() or watch.last)
-                        self._stop([c for c in self.children if c.role != "trainer"])
-                        return self._dataset_job_status(watch)
-                elif finished_at is not None and now - finished_at >= self.grace:
-                    hung = [c for c in trainers if not self._reap(c)]
-                    self._say(
-                        f"every pass is done; stopping {', '.join(c.name for c in hung)}: still running "
-                        f"{self.grace:g}s later"
-                    )
-                    self._stop(hung)
-                time.sleep(POLL_S)
-        finally:
-            bar.close()
-
-    def _recovery(self, child: _Child) -> str:
-        n = f"restart {child.restarts + 1} of {self.dataset_job.max_restarts if self.dataset_job else 0}"
-        if child.role == "trainer":
-            return f"restarting it ({n}); its task goes back to the queue and it rejoins the job"
-        if child.role == "pserver":
-            return (
-                f"restarting it ({n}); it restores its newest checkpoint in {self.checkpoint_dir} (what it "
-                "learned since is lost) and the trainers reconnect"
-            )
-        return f"restarting it ({n}) from its snapshot; the trainers reconnect and no task is lost"
-
-    def _dataset_job_status(self, watch: CoordinatorWatch) -> int:
-        status = watch.last or {}
-        if not status.get("finished"):
-            self._say("the trainers exited before the coordinator finished every pass")
-            return 1
-        history = status.get("history", [])
-        for summary in history:
-            discarded = summary.get("discarded", [])
-            self._say(
-                f"pass {summary['pass'] + 1}: {len(summary['done'])} tasks done, {summary['samples']:,} samples"
-                + (f", discarded tasks {discarded}" if discarded else "")
-            )
-        if status.get("discarded"):
-            reasons = "; ".join(f"task {t}: {why}" for t, why in status["discarded"].items())
-            self._say(f"discarded {len(status['discarded'])} task(s) that kept failing: {reasons}")
-        self._say("the job finished every pass")
-        return 0
-
 
 def launch(
     script: str,
@@ -581,27 +428,13 @@ def launch(
     stop_timeout: float = 5.0,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
-    dataset_job: DatasetJob | None = None,
 ) -> int:
     """Run `script` as a job of `pservers` pservers and `trainers` trainers; its exit status.
-    With `dataset_job`, the trainers read its dataset through a coordinator and the job
-    survives processes dying (see the module doc).
+    (A job reading a dataset through a coordinator: DatasetLauncher.)
 
     Raises BuilderError for bad arguments, a port that is taken, or a process that
     cannot be started (after stopping any already started).
     """
     return Launcher(
-        script,
-        args,
-        pservers,
-        trainers,
-        mode,
-        host,
-        start_port,
-        log_dir,
-        grace,
-        stop_timeout,
-        stdout,
-        stderr,
-        dataset_job=dataset_job,
+        script, args, pservers, trainers, mode, host, start_port, log_dir, grace, stop_timeout, stdout, stderr
     ).run()

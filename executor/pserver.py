@@ -30,13 +30,15 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import numpy as np
 
-from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
+from fluidps.errors import Error, ExecutionError, TransportError
 from fluidps.executor.block_runner import BlockRunner, LayeredEnv
 from fluidps.executor.membership import DONE, Membership
+from fluidps.executor.pserver_checkpoints import Checkpointer
 from fluidps.executor.rpc import Request, RpcServer
 from fluidps.executor.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
@@ -49,6 +51,36 @@ IDLE_TIMEOUT = 3600.0  # seconds without any message while trainers are live
 # (it may still be importing and transpiling) before it counts as missing.
 FIRST_CONTACT_TIMEOUT = 120.0
 _FROM_TRAINERS = (Kind.SEND, Kind.SEND_BARRIER, Kind.FETCH_BARRIER, Kind.COMPLETE, Kind.PAUSE)
+
+
+# What a pserver remembers for its stats stays bounded however long the job runs.
+CLOCK_LOG_LIMIT = 100_000  # clock and grant events
+ROWS_LIMIT = 1 << 22  # sparse row ids per gradient (its counts go on past it)
+# Over the wire (STATS) the stats are compact: the recent clock log, and which rows arrived
+# only while they are few; a message's text must stay far below the wire's limit.
+WIRE_CLOCK_EVENTS = 1000
+WIRE_UNIQUE_ROWS = 50_000
+
+
+class RowLog:
+    """The sparse rows one gradient brought, in arrival order (up to ROWS_LIMIT), and how many."""
+
+    def __init__(self) -> None:
+        self.chunks: list[np.ndarray] = []
+        self.total = self.kept = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        self.total += len(rows)
+        room = ROWS_LIMIT - self.kept
+        if room > 0:
+            self.chunks.append(np.array(rows[:room], dtype=np.int64, copy=True))
+            self.kept += min(room, len(rows))
+
+    def rows(self) -> list[int]:
+        return np.concatenate(self.chunks).tolist() if self.chunks else []
+
+    def unique(self) -> np.ndarray:
+        return np.unique(np.concatenate(self.chunks)) if self.chunks else np.zeros(0, np.int64)
 
 
 def _pairs(values: list[str]) -> dict[str, int]:
@@ -70,25 +102,6 @@ def _mean(values: list[Any]) -> Any:
     return (sum(values[1:], values[0].copy()) / np.asarray(len(values), dtype=values[0].dtype)).astype(
         values[0].dtype
     )
-
-
-class CheckpointPolicy:
-    """Where and how often a pserver checkpoints: the listen_and_serv attributes, which
-    FLUIDPS_CHECKPOINT_DIR / _EVERY_STEPS / _EVERY_SECONDS / _KEEP override."""
-
-    def __init__(self, op: Any, environ: dict[str, str] | None = None):
-        env = os.environ if environ is None else environ
-        self.directory = env.get("FLUIDPS_CHECKPOINT_DIR") or op.attr("checkpoint_dir")
-        self.every_steps = int(env.get("FLUIDPS_CHECKPOINT_EVERY_STEPS", op.attr("checkpoint_every_steps")))
-        self.every_seconds = float(
-            env.get("FLUIDPS_CHECKPOINT_EVERY_SECONDS", op.attr("checkpoint_every_seconds"))
-        )
-        self.keep = int(env.get("FLUIDPS_CHECKPOINT_KEEP", op.attr("checkpoint_keep")))
-        if self.every_steps < 0 or self.every_seconds < 0 or self.keep < 1:
-            raise CheckpointError(
-                f"checkpoint every {self.every_steps} steps / {self.every_seconds} s, keeping {self.keep}: "
-                "intervals must be >= 0 and keep >= 1"
-            )
 
 
 class ParameterServer:
@@ -116,31 +129,15 @@ class ParameterServer:
         self.sent: set[int] = set()  # sync: trainers whose gradients of the current step arrived
         self.awaiting: dict[int, int] = {}  # sync: the step each trainer's next GET waits for
         self.completed = 0  # sync: optimization steps done
-        self.clock_log: list[dict[str, Any]] = []
+        self.clock_log: deque[dict[str, Any]] = deque(maxlen=CLOCK_LOG_LIMIT)
         self.max_step = 0  # async / SSP: the furthest clock
-        self.received_rows: dict[str, list[int]] = {}  # sparse gradients: which rows arrived
+        self.received_rows: dict[str, RowLog] = {}  # sparse gradients: which rows arrived
         self.deferred: list[Request] = []
         self.log_lines: list[str] = []
         self.last_heard = time.monotonic()
         self.locks = {i: threading.Lock() for i in self.blocks}
         self.lock_of = {name: self.locks[i] for i in self.blocks for name in self.blocks[i].writes}
-        # Checkpoints: which rows of which original variable each persistable here is.
-        names, origins = op.attr("checkpoint_vars"), op.attr("checkpoint_origins")
-        offsets, heights = op.attr("checkpoint_offsets"), op.attr("checkpoint_origin_rows")
-        heights = heights or [-1] * len(names)  # programs transpiled before heights were recorded
-        self.placements = {
-            n: (o, None if off < 0 else off, None if rows < 0 else rows)
-            for n, o, off, rows in zip(names, origins, offsets, heights, strict=True)
-        }
-        self.policy = CheckpointPolicy(op)
-        self.store = (
-            ckpt.CheckpointStore(self.policy.directory, self.pserver_id, self.policy.keep)
-            if self.policy.directory
-            else None
-        )
-        self.checkpoints: list[dict[str, Any]] = []
-        self.restored_step: int | None = None  # the step of the checkpoints it started from
-        self._last_checkpoint = (0, time.monotonic())  # (step, when)
+        self.checkpoints = Checkpointer(op, self.log)
         self._stop_reason: str | None = None
         self._stop = threading.Event()
         self._failure: BaseException | None = None
@@ -160,7 +157,12 @@ class ParameterServer:
         previous_handler = self._catch_sigterm()
         workers: list[threading.Thread] = []
         try:
-            self._restore()
+            restored = self.checkpoints.restore(self.env, self.pserver_id)
+            if restored is not None:
+                if self.mode == "sync":
+                    self.completed = restored
+                else:
+                    self.max_step = restored
             if self.mode != "sync":
                 workers = [self._start_worker(g, b) for g, b in self.grad_block.items()]
             while self.members.active and self._stop_reason is None:
@@ -181,8 +183,8 @@ class ParameterServer:
             self._stop.set()
             for worker in workers:
                 worker.join(timeout=10)
-            if self.store is not None and self._steps() > self._last_checkpoint[0]:
-                self._checkpoint(self._stop_reason or "end")  # unless nothing changed since the last one
+            if self.checkpoints.enabled and self.checkpoints.changed_since_last(self._steps()):
+                self._checkpoint(self._stop_reason or "end")
         finally:
             self._stop.set()
             for worker in workers:
@@ -199,7 +201,7 @@ class ParameterServer:
 
     def _catch_sigterm(self) -> Any:
         """In a process's main thread with checkpoints on, SIGTERM saves one before dying."""
-        if self.store is None or threading.current_thread() is not threading.main_thread():
+        if not self.checkpoints.enabled or threading.current_thread() is not threading.main_thread():
             return None
 
         def on_sigterm(signum: int, frame: object) -> None:
@@ -208,21 +210,37 @@ class ParameterServer:
         previous = signal.signal(signal.SIGTERM, on_sigterm)
         return signal.SIG_DFL if previous in (None, signal.SIG_IGN) else previous
 
-    def stats(self) -> dict[str, Any]:
-        return {
+    def stats(self, compact: bool = False) -> dict[str, Any]:
+        """Counters, clocks and logs (copies: a snapshot). `compact` (for the wire): the
+        last WIRE_CLOCK_EVENTS clock events, and the rows each sparse gradient brought
+        as a set, only while there are at most WIRE_UNIQUE_ROWS of them."""
+        clock_log = list(self.clock_log)
+        if compact:
+            clock_log = clock_log[-WIRE_CLOCK_EVENTS:]
+            unique = {grad: log.unique() for grad, log in self.received_rows.items()}
+            few = sum(len(u) for u in unique.values()) <= WIRE_UNIQUE_ROWS
+            rows = {grad: u.tolist() for grad, u in unique.items()} if few else None
+        else:
+            rows = {grad: log.rows() for grad, log in self.received_rows.items()}
+        out = {
             "mode": self.mode,
             "completed_steps": self.completed,
             "clocks": {str(t): m.clock for t, m in self.members.members.items()},
             "trainers": {str(t): m.state for t, m in self.members.members.items()},
-            "clock_log": list(self.clock_log),  # copies: a snapshot, not the live lists
+            "clock_log": clock_log,
             "live_trainers": sorted(self.members.live),
             "deferred_gets": len(self.deferred),
             "rejected": self.server.rejected if self.server else 0,
-            "received_rows": {grad: list(rows) for grad, rows in self.received_rows.items()},
-            "checkpoints": list(self.checkpoints),
-            "restored_step": self.restored_step,
-            "log": self.log_lines + self.members.events,
+            "received_row_counts": {grad: log.total for grad, log in self.received_rows.items()},
+            "checkpoints": list(self.checkpoints.saved),
+            "restored_step": self.checkpoints.restored_step,
+            "log": (self.log_lines + self.members.events)[-200:]
+            if compact
+            else self.log_lines + self.members.events,
         }
+        if rows is not None:
+            out["received_rows"] = rows
+        return out
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -250,7 +268,9 @@ class ParameterServer:
             Kind.COMPLETE: self._on_complete,
             Kind.PAUSE: self._on_pause,
             Kind.SET: self._on_set,
-            Kind.STATS: lambda r: self.server.reply(r, Message(Kind.VALUES, text=json.dumps(self.stats()))),
+            Kind.STATS: lambda r: self.server.reply(
+                r, Message(Kind.VALUES, text=json.dumps(self.stats(compact=True)))
+            ),
             Kind.CHECKPOINT: self._on_checkpoint,
         }.get(msg.kind)
         if handler is None:
@@ -286,7 +306,7 @@ class ParameterServer:
             return
         for grad, value in msg.tensors.items():
             if isinstance(value, SelectedRows):
-                self.received_rows.setdefault(grad, []).extend(int(r) for r in value.rows)
+                self.received_rows.setdefault(grad, RowLog()).add(value.rows)
             if self.mode == "sync":
                 self.env[f"{grad}.trainer_{msg.trainer_id}"] = value
                 self.sent.add(msg.trainer_id)
@@ -450,74 +470,21 @@ class ParameterServer:
         return self.completed if self.mode == "sync" else self.max_step
 
     def _maybe_checkpoint(self) -> None:
-        if self.store is None:
-            return
-        last_step, last_time = self._last_checkpoint
-        steps, policy = self._steps(), self.policy
-        if (policy.every_steps and steps - last_step >= policy.every_steps) or (
-            policy.every_seconds
-            and time.monotonic() - last_time >= policy.every_seconds
-            and steps > last_step
-        ):
+        if self.checkpoints.due(self._steps()):
             self._checkpoint("periodic")
 
     def _checkpoint(self, reason: str) -> ckpt.Checkpoint:
-        if self.store is None:
-            raise CheckpointError(
-                f"{self.name} has no checkpoint directory: set DistributeTranspilerConfig(checkpoint_dir=...) "
-                "or FLUIDPS_CHECKPOINT_DIR"
-            )
-        started = time.monotonic()
         values = {}
-        for name in self.placements:
+        for name in self.checkpoints.placements:
             lock = self.lock_of.get(name)
             with lock if lock is not None else contextlib.nullcontext():
                 values[name] = np.array(self.env[name], copy=True)
-        saved = self.store.save(values, self.placements, self._steps(), reason)
-        self._last_checkpoint = (self._steps(), time.monotonic())
-        self.checkpoints.append(ckpt.describe(saved))
-        self.log(
-            f"checkpoint {saved.count} ({reason}, step {saved.step}, {saved.data_bytes:,} bytes) written to "
-            f"{saved.data_path} in {1e3 * (time.monotonic() - started):.0f} ms"
-        )
-        return saved
+        return self.checkpoints.save(values, self._steps(), reason)
 
     def _on_checkpoint(self, request: Request) -> None:
         saved = self._checkpoint("requested")
         text = json.dumps(ckpt.describe(saved) | {"path": str(saved.path)})
         self.server.reply(request, Message(Kind.VALUES, text=text))
-
-    def _restore(self) -> None:
-        if self.store is None:
-            return
-        found, problems = ckpt.latest(self.store.directory)
-        for problem in problems:
-            self.log(f"checkpoint problem: {problem}")
-        if not found:
-            self.log(f"no checkpoint in {self.store.directory}: starting from the startup program's values")
-            return
-        wanted = []
-        for name, (origin, offset, _) in self.placements.items():
-            value = np.asarray(self.env[name])
-            wanted.append((name, origin, offset, value.shape, value.dtype))
-        # Newest first, so that rows held by several checkpoints come from the latest one.
-        sources = sorted(found.values(), key=lambda cv: cv[0].created, reverse=True)
-        values = ckpt.assemble(wanted, sources)
-        for name, value in values.items():
-            self.env[name] = value
-        own = found.get(self.pserver_id)
-        step = own[0].step if own is not None else max(c.step for c, _ in found.values())
-        if self.mode == "sync":
-            self.completed = step
-        else:
-            self.max_step = step
-        self._last_checkpoint = (step, time.monotonic())
-        self.restored_step = step
-        used = ", ".join(f"pserver {c.pserver_id} #{c.count} (step {c.step})" for c, _ in sources)
-        self.log(
-            f"restored {len(values)} variables at step {step} from {used} in {self.store.directory}; "
-            f"what this pserver learned after that is lost"
-        )
 
     # -- async workers ---------------------------------------------------------------------
 

@@ -178,7 +178,9 @@ class ExecutorServer:
             background = "running" if self._background.is_alive() else "done"
         if self._background_error:
             background = f"failed: {self._background_error}"
-        servers = [s.stats() for s in self.exe.runtime.servers] if self.exe._runtime is not None else []
+        servers = (
+            [s.stats(compact=True) for s in self.exe.runtime.servers] if self.exe._runtime is not None else []
+        )
         return {"background": background, "programs": sorted(self.programs), "pservers": servers}
 
     # -- runs on a worker thread ---------------------------------------------------------------

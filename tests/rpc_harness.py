@@ -128,6 +128,23 @@ def recv(dealer: zmq.Socket, timeout: float = 10.0) -> Message:
     return decode(dealer.recv_multipart(copy=False))
 
 
+def lose_requests(server: RpcServer, lose: Callable[[Request], bool]) -> list[int]:
+    """From now on, requests for which `lose(request)` holds vanish on the way to `server`
+    (as in a reconnect): the client resends them. The ids of those lost, as they go."""
+    accept, lost = server._accept, []
+
+    def accept_or_lose(frames):
+        request = accept(frames)
+        if request is not None and lose(request):
+            lost.append(request.msg.request_id)
+            server._clients[request.client].pending.discard(request.msg.request_id)
+            return None
+        return request
+
+    server._accept = accept_or_lose
+    return lost
+
+
 def receive_until(server: RpcServer, done: Callable[[], bool], timeout: float = 10.0) -> list[Request]:
     """Serve by hand (no thread) until `done()`; the requests handed out on the way."""
     deadline = time.monotonic() + timeout

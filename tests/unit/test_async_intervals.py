@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from job_harness import PserverThreads
 
 import fluidps
 from fluidps import layers
@@ -98,52 +99,6 @@ class Recorder:
         runtime._push, runtime._pull = recording_push, recording_pull
 
 
-class PServers:
-    """Each pserver on its own thread with its own Executor (listen_and_serv)."""
-
-    def __init__(self, transpiler, eps: list[str]):
-        self.errors: list[BaseException] = []
-        self.executors = {ep: fluidps.Executor(rpc_settings=SETTINGS) for ep in eps}
-        self.threads = [threading.Thread(target=self._run, args=(transpiler, ep), daemon=True) for ep in eps]
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self, transpiler, endpoint: str) -> None:
-        exe = self.executors[endpoint]
-        try:
-            main, startup = transpiler.get_pserver_programs(endpoint)
-            exe.run(startup)
-            exe.run(main)  # serves until the trainer sends COMPLETE
-        except BaseException as e:
-            self.errors.append(e)
-        finally:
-            exe.close()
-
-    def server(self, endpoint: str):
-        """The ParameterServer loop of `endpoint` (there once it answered a request)."""
-        return self.executors[endpoint].runtime.servers[0]
-
-    def drain(self, endpoint: str) -> None:
-        """Wait until the pserver has applied every gradient it queued."""
-        server = self.server(endpoint)
-        runtime = self.executors[endpoint].runtime
-        deadline = time.monotonic() + WAIT
-        for grad in server.grad_block:
-            while len(runtime.queue(grad)) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert len(runtime.queue(grad)) == 0, f"{endpoint} did not apply its queued {grad} in {WAIT} s"
-        for lock in server.locks.values():  # a worker that popped a gradient holds its lock while applying it
-            assert lock.acquire(timeout=WAIT)
-            lock.release()
-
-    def join(self) -> None:
-        deadline = time.monotonic() + WAIT
-        for thread in self.threads:
-            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
-        assert not any(t.is_alive() for t in self.threads), "a pserver did not stop"
-        assert not self.errors, self.errors
-
-
 def endpoints() -> list[str]:
     tag = uuid.uuid4().hex[:8]
     return [f"inproc://ps0-{tag}", f"inproc://ps1-{tag}"]
@@ -183,7 +138,7 @@ def run_job(kind: str, n: int, m: int, fetch_lists: Callable[[int, list], list] 
     job = Job(kind, main, startup, loss, t.plan, params)
     assert {s.endpoint for s in job.plan.slices} == set(eps)  # both pservers own slices
     assert any(len(job.plan.slices_of(p)) > 1 for p in params)  # and a parameter is cut in two
-    servers = PServers(t, eps)
+    servers = PserverThreads(t, eps, SETTINGS, wait=WAIT)
     exe = fluidps.Executor(rpc_settings=SETTINGS)
     recorder = Recorder(exe.runtime)
     try:
@@ -390,7 +345,7 @@ def test_gradients_queued_when_the_trainer_completes_are_still_applied():
     applied before the pserver stops (and writes its final checkpoint), not dropped."""
     main, _, loss, eps, t = transpile("dense", 1, 10)
     params = [p.name for p in main.all_parameters()]
-    servers = PServers(t, eps)
+    servers = PserverThreads(t, eps, SETTINGS, wait=WAIT)
     exe = fluidps.Executor(rpc_settings=SETTINGS)
     recorder = Recorder(exe.runtime)
     held: list[threading.Lock] = []

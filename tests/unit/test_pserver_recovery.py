@@ -17,6 +17,7 @@ import uuid
 import numpy as np
 import pytest
 import zmq
+from job_harness import PserverThreads
 
 import fluidps
 from fluidps.executor.rpc import RpcClient, RpcSettings
@@ -46,41 +47,18 @@ def batches(n: int, size: int = 8, seed: int = 0) -> list[dict[str, np.ndarray]]
     ]
 
 
-class Job:
-    """One trainer program's pservers on threads, over inproc endpoints."""
+class Job(PserverThreads):
+    """One trainer program's pservers on threads, over inproc endpoints, and its trainers."""
 
     def __init__(self, main, startup, pservers: int, trainers: int = 1, **config):
         tag = uuid.uuid4().hex[:8]
-        self.endpoints = [f"inproc://ps{i}-{tag}" for i in range(pservers)]
+        endpoints = [f"inproc://ps{i}-{tag}" for i in range(pservers)]
         self.transpilers = []
         for trainer_id in range(trainers):
             t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8, **config))
-            t.transpile(
-                trainer_id, main, ",".join(self.endpoints), trainers=trainers, startup_program=startup
-            )
+            t.transpile(trainer_id, main, ",".join(endpoints), trainers=trainers, startup_program=startup)
             self.transpilers.append(t)
-        self.errors: list[BaseException] = []
-        self.servers: list[fluidps.Executor] = []
-        self.final_stats: dict[str, dict] = {}  # per endpoint, when its loop ended
-        self.threads = [
-            threading.Thread(target=self._serve, args=(ep,), daemon=True) for ep in self.endpoints
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    def _serve(self, endpoint: str) -> None:
-        exe = fluidps.Executor(rpc_settings=SETTINGS)
-        self.servers.append(exe)
-        try:
-            main, startup = self.transpilers[0].get_pserver_programs(endpoint)
-            exe.run(startup)
-            exe.run(main)
-        except BaseException as e:
-            self.errors.append(e)
-        finally:
-            if exe.runtime.servers:
-                self.final_stats[endpoint] = exe.runtime.servers[0].stats()
-            exe.close()
+        super().__init__(self.transpilers[0], endpoints, SETTINGS, wait=60.0)
 
     def trainer(self, trainer_id: int = 0) -> tuple[fluidps.Executor, fluidps.Program]:
         exe = fluidps.Executor(rpc_settings=SETTINGS)
@@ -102,18 +80,20 @@ class Job:
                 assert time.monotonic() < deadline, f"trainer {trainer} is not {state} on {endpoint}"
                 time.sleep(0.01)
 
-    def join(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
-        assert not any(t.is_alive() for t in self.threads), "a pserver did not stop"
-        assert not self.errors, self.errors
-
 
 def persistables(main) -> list[str]:
     return sorted(
         n for n, v in main.global_block().vars.items() if v.persistable and n not in ("feed", "fetch")
     )
+
+
+def local_from(startup, trainer: fluidps.Executor, params: list[str]) -> fluidps.Executor:
+    """A local Executor whose parameters start as those `trainer` pulled."""
+    local = fluidps.Executor()
+    local.run(startup)
+    for name in params:
+        local.scope[name] = np.array(trainer.scope[name], copy=True)
+    return local
 
 
 def test_a_job_resumed_on_more_pservers_continues_exactly_as_local_training(tmp_path):
@@ -125,10 +105,7 @@ def test_a_job_resumed_on_more_pservers_continues_exactly_as_local_training(tmp_
     # Five steps on two pservers, which checkpoint every two steps and when they stop.
     first = Job(main, startup, pservers=2, checkpoint_dir=ckpt, checkpoint_every_steps=2)
     exe, trainer = first.trainer()
-    local = fluidps.Executor()  # local training from the values the trainer pulled
-    local.run(startup)
-    for name in params:
-        local.scope[name] = np.array(exe.scope[name], copy=True)
+    local = local_from(startup, exe, params)  # local training from the values the trainer pulled
     local_losses = [float(local.run(main, feed=b, fetch_list=[loss])[0]) for b in data]
     losses = [float(exe.run(trainer, feed=b, fetch_list=[loss])[0]) for b in data[:5]]
     assert exe.close() == []
@@ -203,17 +180,20 @@ def test_checkpoint_on_request_without_a_directory_is_a_clear_error():
         job.join()
 
 
-def test_a_paused_trainer_is_not_waited_for_and_resumes_by_sending():
-    """Sync mode: while trainer 1 is paused, a step is trainer 0's batch alone; once it
-    sends again, steps average both trainers' gradients again."""
+def two_trainers():
+    """A sync job of adam_mlp on two pservers with trainers 0 and 1, and a local Executor
+    starting from the parameters trainer 0 pulled: (main, loss, params, job, trainers, local)."""
     main, startup, loss = adam_mlp()
     params = [p.name for p in main.all_parameters()]
     job = Job(main, startup, pservers=2, trainers=2)
-    (exe0, prog0), (exe1, prog1) = job.trainer(0), job.trainer(1)
-    local = fluidps.Executor()
-    local.run(startup)
-    for name in params:
-        local.scope[name] = np.array(exe0.scope[name], copy=True)
+    trainers = job.trainer(0), job.trainer(1)
+    return main, loss, params, job, trainers, local_from(startup, trainers[0][0], params)
+
+
+def test_a_paused_trainer_is_not_waited_for_and_resumes_by_sending():
+    """Sync mode: while trainer 1 is paused, a step is trainer 0's batch alone; once it
+    sends again, steps average both trainers' gradients again."""
+    main, loss, params, job, ((exe0, prog0), (exe1, prog1)), local = two_trainers()
     mine, theirs = batches(6, size=4, seed=1), batches(3, size=4, seed=2)
     try:
         exe1.runtime.pause()
@@ -241,7 +221,7 @@ def test_a_paused_trainer_is_not_waited_for_and_resumes_by_sending():
                 exe0.scope[name], local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name
             )
             np.testing.assert_array_equal(exe0.scope[name], exe1.scope[name])
-        stats = job.servers[0].runtime.servers[0].stats()
+        stats = job.server(job.endpoints[0]).stats()
         assert stats["completed_steps"] == 6 and stats["trainers"] == {"0": "live", "1": "live"}
     finally:
         exe0.close()
@@ -252,14 +232,7 @@ def test_a_paused_trainer_is_not_waited_for_and_resumes_by_sending():
 def test_a_trainer_skipping_a_sync_step_leaves_it_to_the_others():
     """Driven step by step (a RemoteExecutor), a trainer with no batch sends its barrier
     without gradients: the step is the other trainer's batch alone, and nobody waits."""
-    main, startup, _loss = adam_mlp()
-    params = [p.name for p in main.all_parameters()]
-    job = Job(main, startup, pservers=2, trainers=2)
-    (exe0, prog0), (exe1, prog1) = job.trainer(0), job.trainer(1)
-    local = fluidps.Executor()
-    local.run(startup)
-    for name in params:
-        local.scope[name] = np.array(exe0.scope[name], copy=True)
+    main, _loss, params, job, ((exe0, prog0), (exe1, prog1)), local = two_trainers()
     mine, theirs = batches(4, size=4, seed=3), batches(4, size=4, seed=4)
     try:
         for step, (b0, b1) in enumerate(zip(mine, theirs, strict=True)):
@@ -324,3 +297,41 @@ def test_ssp_staleness_bounds_how_far_a_trainer_runs_ahead(staleness):
     (stats,) = job.final_stats.values()
     grants = [e for e in stats["clock_log"] if e["event"] == "grant" and e["trainer"] == 0]
     assert max(e["step"] - e["slowest"] for e in grants) == (0 if staleness == 0 else 3)
+
+
+def test_stats_over_the_wire_stay_compact_however_many_rows_arrive(monkeypatch):
+    """STATS answers with counts always, and with the set of rows that arrived only while
+    it is small: a long job's row log must not outgrow a message (or the pserver's memory)."""
+    from fluidps.executor import pserver as pserver_module
+
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 2
+    with fluidps.program_guard(main, startup):
+        ids = fluidps.layers.data("ids", [4], dtype="int64")
+        y = fluidps.layers.data("y", [1], dtype="int64")
+        emb = fluidps.layers.reshape(fluidps.layers.embedding_v2(ids, [1000, 4], is_sparse=True), [-1, 16])
+        loss = fluidps.layers.mean(fluidps.layers.softmax_with_cross_entropy(fluidps.layers.fc(emb, 2), y))
+        fluidps.optimizer.SGD(0.1).minimize(loss)
+    monkeypatch.setattr(pserver_module, "WIRE_UNIQUE_ROWS", 40)
+    job = Job(main, startup, pservers=1)
+    exe, trainer = job.trainer()
+    rng = np.random.default_rng(0)
+    sent: list[int] = []
+    try:
+        for _ in range(4):
+            feed = {"ids": rng.integers(0, 1000, (6, 4)), "y": rng.integers(0, 2, (6, 1))}
+            exe.run(trainer, feed=feed)
+            sent += feed["ids"].ravel().tolist()
+            stats = json.loads(job.observe(Kind.STATS, job.endpoints[0]).text)
+            (grad,) = stats["received_row_counts"]
+            assert stats["received_row_counts"][grad] == len(sent)  # every row, repeats counted
+            if len(set(sent)) <= 40:
+                assert stats["received_rows"][grad] == sorted(set(sent))
+            else:
+                assert "received_rows" not in stats
+        assert len(set(sent)) > 40  # both answers were seen
+    finally:
+        exe.close()
+        job.join()
+    (final,) = job.final_stats.values()
+    assert final["received_rows"][grad] == sent  # in the process: every row, in arrival order

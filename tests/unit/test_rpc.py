@@ -12,24 +12,11 @@ import time
 
 import numpy as np
 import pytest
-from rpc_harness import FAST, SLACK, TRANSPORTS, Net, endpoint_for, receive_until, recv
+from rpc_harness import FAST, SLACK, endpoint_for, lose_requests, receive_until, recv
 
 from fluidps.errors import RemoteError, TransportError
 from fluidps.executor.rpc import Request, RpcClient, zmq_address
 from fluidps.executor.wire import Kind, Message, decode, encode
-
-
-@pytest.fixture
-def net():
-    net = Net()
-    yield net
-    net.close()
-
-
-@pytest.fixture(params=TRANSPORTS)
-def endpoint(request, tmp_path):
-    return endpoint_for(request.param, tmp_path)
-
 
 # -- request / reply -----------------------------------------------------------------------
 
@@ -105,17 +92,7 @@ def test_repeated_request_id_is_answered_from_the_cache(net, endpoint):
 
 def test_client_resends_a_request_the_server_never_got(net, endpoint):
     harness = net.serve(endpoint)
-    accept, lost = harness.server._accept, []
-
-    def lose_first(frames):  # the request vanishes on the way (a reconnect)
-        request = accept(frames)
-        if request is not None and not lost:
-            lost.append(request.msg.request_id)
-            harness.server._clients[request.client].pending.discard(request.msg.request_id)
-            return None
-        return request
-
-    harness.server._accept = lose_first
+    lost = lose_requests(harness.server, lambda request: not lost)  # the first one vanishes on the way
     client = net.client(endpoint)
     assert client.call(Message(Kind.GET, text="again")).text == "again"
     assert lost == [1] and [m.request_id for m in harness.delivered] == [1]

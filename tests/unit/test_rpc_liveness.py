@@ -12,24 +12,11 @@ import time
 
 import pytest
 import zmq
-from rpc_harness import DEAD, FAST, SLACK, TRANSPORTS, Net, endpoint_for, recv
+from rpc_harness import DEAD, FAST, SLACK, TRANSPORTS, endpoint_for, lose_requests, recv
 
 from fluidps.errors import PeerLostError, RemoteError, TransportError
 from fluidps.executor.rpc import wait_all
 from fluidps.executor.wire import Kind, Message, encode
-
-
-@pytest.fixture
-def net():
-    net = Net()
-    yield net
-    net.close()
-
-
-@pytest.fixture(params=TRANSPORTS)
-def endpoint(request, tmp_path):
-    return endpoint_for(request.param, tmp_path)
-
 
 # -- dead peers, restarts, timeouts --------------------------------------------------------
 
@@ -137,17 +124,8 @@ def test_request_timeout_is_honoured_while_the_server_lives(net, endpoint):
 
 def test_a_request_given_up_on_is_not_resent(net, endpoint):
     harness = net.serve(endpoint)
-    accept, seen = harness.server._accept, []
-
-    def lose_sends(frames):  # every SEND vanishes on the way: the client resends it
-        request = accept(frames)
-        if request is not None and request.msg.kind == Kind.SEND:
-            seen.append(request.msg.request_id)
-            harness.server._clients[request.client].pending.discard(request.msg.request_id)
-            return None
-        return request
-
-    harness.server._accept = lose_sends
+    # every SEND vanishes on the way: the client resends it
+    seen = lose_requests(harness.server, lambda request: request.msg.kind == Kind.SEND)
     client = net.client(endpoint)
     rid = client.request(Message(Kind.SEND))
     with pytest.raises(TransportError, match=r"did not answer SEND within 1\.5 s"):

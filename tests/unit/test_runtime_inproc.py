@@ -13,6 +13,7 @@ import uuid
 import numpy as np
 import pytest
 import zmq
+from job_harness import PserverThreads
 from rpc_harness import Net
 
 import fluidps
@@ -53,34 +54,6 @@ def sgd_mlp():
     return main, startup, loss
 
 
-class PServers:
-    """Each pserver on its own thread with its own Executor, as `listen_and_serv` runs."""
-
-    def __init__(self, transpiler, eps: list[str]):
-        self.errors: list[BaseException] = []
-        self.threads = [threading.Thread(target=self._run, args=(transpiler, ep), daemon=True) for ep in eps]
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self, transpiler, endpoint: str) -> None:
-        exe = fluidps.Executor(rpc_settings=SETTINGS)
-        try:
-            main, startup = transpiler.get_pserver_programs(endpoint)
-            exe.run(startup)
-            exe.run(main)  # serves until the trainer sends COMPLETE
-        except BaseException as e:
-            self.errors.append(e)
-        finally:
-            exe.close()
-
-    def join(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
-        assert not any(t.is_alive() for t in self.threads), "a pserver did not stop"
-        assert not self.errors, self.errors
-
-
 @pytest.fixture
 def job_endpoints(request):
     eps = endpoints(request.param)
@@ -98,7 +71,7 @@ def test_sync_job_in_one_process_matches_local_training(job_endpoints):
     t.transpile(0, main, ",".join(eps), trainers=1, startup_program=startup)
     # the parameters are sliced over both pservers
     assert all(t.get_pserver_programs(ep)[0].global_block().vars for ep in eps)
-    servers = PServers(t, eps)
+    servers = PserverThreads(t, eps, SETTINGS)
     exe = fluidps.Executor(rpc_settings=SETTINGS)
     try:
         exe.run(t.get_trainer_startup_program())  # fetches the pservers' initial parameters
@@ -258,13 +231,6 @@ class HoldingPserver:
         if msg.kind == Kind.GET:
             return Message(Kind.VALUES, tensors={n: np.full(2, 7.0, np.float32) for n in msg.names})
         return Message(Kind.OK)
-
-
-@pytest.fixture
-def net():
-    net = Net()
-    yield net
-    net.close()
 
 
 def test_a_step_is_one_message_per_pserver_and_exchange(net):

@@ -505,3 +505,34 @@ def test_exact_op_types_per_role(model, mode):
         assert [ops(ps, b) for b in range(1, ps.num_blocks)] == expected_blocks
         startup_outputs = [op.output_arg_names[0] for op in plan.pserver_startups[ep].global_block().ops]
         assert {s.name for s in plan.slices_on(ep)} <= set(startup_outputs)
+
+
+def test_sync_mode_false_means_async_as_in_fluid():
+    main, startup = mlp()
+    t = fluidps.DistributeTranspiler()
+    plan = t.transpile(0, main, EPS2, trainers=2, sync_mode=False, startup_program=startup)
+    assert plan.config.mode == "async"
+    assert "send_barrier" not in ops(plan.trainer_program)
+    serve = plan.pserver_programs["127.0.0.1:6170"].global_block().ops[0]
+    assert serve.attr("distributed_mode") == 1
+
+
+def test_without_slicing_every_parameter_stays_whole(tmp_path):
+    main, startup = mlp()
+    _, plan = transpile(main, startup, slice_var_up=False)
+    params = {p.name for p in main.all_parameters()}
+    assert {s.param for s in plan.slices} == params and len(plan.slices) == len(params)
+    assert all(s.name == s.param and s.offset == 0 for s in plan.slices)
+    assert "split_byref" not in ops(plan.trainer_program) and "concat" not in ops(plan.trainer_program)
+    # The command line's --no-slice does the same.
+    (tmp_path / "main.pb").write_bytes(main.serialize_to_string())
+    (tmp_path / "startup.pb").write_bytes(startup.serialize_to_string())
+    done = subprocess.run(
+        [sys.executable, "-m", "fluidps", "transpile", str(tmp_path / "main.pb"), "--startup",
+         str(tmp_path / "startup.pb"), "--pservers", EPS2, "--trainers", "2", "--no-slice", "-o", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    placement = json.loads((tmp_path / "out" / "placement.json").read_text())
+    assert sorted(s["param"] for s in placement["slices"]) == sorted(params)
+    assert all(s["name"] == s["param"] for s in placement["slices"])

@@ -1,0 +1,202 @@
+"""`fluidps launch --dataset`: a job that survives any of its processes dying.
+
+A coordinator process hands the trainers the dataset's tasks (FLUIDPS_COORDINATOR,
+FLUIDPS_DATASET), the pservers evict silent trainers and checkpoint into a
+directory (FLUIDPS_ELASTIC, FLUIDPS_CHECKPOINT_DIR), and a process that dies is
+started again, up to `max_restarts` times each: a pserver restores its newest
+checkpoint, the coordinator its snapshot, a trainer rejoins while its task goes to
+another. The job is done when the coordinator has finished every pass and the
+trainers have exited; a progress bar shows the pass, tasks, samples/s and loss.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fluidps.errors import BuilderError, DatasetError
+from fluidps.executor.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
+from fluidps.executor.launcher import POLL_S, Child, Launcher, describe_exit, exit_status
+from fluidps.executor.progress import CoordinatorWatch, ProgressBar
+from fluidps.executor.roles import CONTRACT_VARS, format_endpoint
+from fluidps.executor.rpc import RpcSettings
+from fluidps.executor.server_process import thread_limits
+from fluidps.io.dataset import Dataset
+
+
+@dataclass(frozen=True)
+class DatasetJob:
+    """What makes a launched job read a dataset through a coordinator, and survive failures."""
+
+    dataset: str
+    task_timeout: float = DEFAULT_TASK_TIMEOUT  # an unrenewed task goes to another trainer after this
+    max_task_failures: int = DEFAULT_MAX_FAILURES
+    max_restarts: int = 3  # per process
+    checkpoint_dir: str | None = None  # default: checkpoints/ in the log (or a temporary) directory
+    checkpoint_every_steps: int = 0
+    checkpoint_every_seconds: float = 10.0
+    progress: bool | None = None  # None: a progress bar when stderr is a terminal
+
+    def __post_init__(self) -> None:
+        if self.task_timeout <= 0 or self.max_task_failures < 0 or self.max_restarts < 0:
+            raise BuilderError("task_timeout must be > 0, max_task_failures and max_restarts >= 0")
+        if self.checkpoint_every_steps < 0 or self.checkpoint_every_seconds < 0:
+            raise BuilderError("checkpoint intervals must be >= 0")
+        try:
+            Dataset(self.dataset)
+        except DatasetError as e:
+            raise BuilderError(f"--dataset: {e}") from None
+
+
+class DatasetLauncher(Launcher):
+    extra_ports = 1  # the coordinator's
+
+    def __init__(self, job: DatasetJob, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.dataset_job = job
+        self.announce_pids = True  # processes may be restarted: say which is which
+        self.coordinator: str | None = None
+        self.checkpoint_dir: Path | None = None
+        self.state_dir: Path | None = None  # the coordinator's snapshot and default checkpoints
+        self._watch: CoordinatorWatch | None = None
+
+    def _describe(self) -> str:
+        return (
+            f"{super()._describe()}, reading {self.dataset_job.dataset} (coordinator at {self.coordinator})"
+        )
+
+    def _finish(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def _job_environment(self, extra_ports: Sequence[int]) -> dict[str, str]:
+        job, (coordinator_port,) = self.dataset_job, extra_ports
+        state = self.log_dir if self.log_dir is not None else Path(tempfile.mkdtemp(prefix="fluidps-launch-"))
+        self.state_dir = state
+        self.coordinator = f"tcp://{format_endpoint(self.host, coordinator_port)}"
+        self.checkpoint_dir = Path(job.checkpoint_dir) if job.checkpoint_dir else state / "checkpoints"
+        return {
+            "FLUIDPS_DATASET": str(Path(job.dataset).resolve()),
+            "FLUIDPS_COORDINATOR": self.coordinator,
+            "FLUIDPS_ELASTIC": "1",
+            "FLUIDPS_CHECKPOINT_DIR": str(self.checkpoint_dir.resolve()),
+            "FLUIDPS_CHECKPOINT_EVERY_STEPS": str(job.checkpoint_every_steps),
+            "FLUIDPS_CHECKPOINT_EVERY_SECONDS": str(job.checkpoint_every_seconds),
+        }
+
+    def _start_helpers(self) -> None:
+        job = self.dataset_job
+        assert self.coordinator is not None
+        env = dict(os.environ)
+        for var in CONTRACT_VARS:
+            env.pop(var, None)
+        env.update(PYTHONUNBUFFERED="1", **thread_limits(1))
+        command = [
+            self.python, "-m", "fluidps", "serve", "--role", "coordinator",
+            "--endpoint", self.coordinator,
+            "--snapshot", str(Path(self.state_dir or ".") / "coordinator.json"),
+            "--task-timeout", str(job.task_timeout),
+            "--max-task-failures", str(job.max_task_failures),
+        ]  # fmt: skip
+        if "FLUIDPS_PEER_TIMEOUT" in os.environ:
+            command += ["--peer-timeout", os.environ["FLUIDPS_PEER_TIMEOUT"]]
+        self._start("coordinator", env, command)
+
+    def _supervise(self) -> int:
+        job = self.dataset_job
+        watch = self._watch = CoordinatorWatch(self.coordinator, RpcSettings(peer_timeout=5.0))
+        bar = ProgressBar(self._stderr or sys.stderr, job.progress)
+        finished_at: float | None = None  # when the coordinator said every pass is done
+        trainers_done_at: float | None = None
+        next_poll = 0.0
+        try:
+            while True:
+                if self._signal is not None:
+                    self._say(f"got {signal.Signals(self._signal).name}; stopping the job")
+                    return 128 + self._signal
+                now = time.monotonic()
+                if now >= next_poll:
+                    next_poll = now + 0.5
+                    bar.update(watch.poll())
+                    if watch.finished and finished_at is None:
+                        finished_at = now
+                for c in list(self.children):
+                    if c.returncode is not None or not self._reap(c):
+                        continue
+                    if c.returncode == 0 and c.role != "coordinator":
+                        continue
+                    if c.role == "trainer" and finished_at is not None:
+                        self._say(
+                            f"{c.name} {describe_exit(c.returncode)} after the last pass; not restarted"
+                        )
+                        continue
+                    if c.restarts >= job.max_restarts:
+                        self._say(
+                            f"{c.name} {describe_exit(c.returncode)}; it was restarted {c.restarts} time(s), "
+                            "the most allowed: stopping the job"
+                        )
+                        return exit_status(c.returncode) or 1
+                    self._say(f"{c.name} {describe_exit(c.returncode)}; {self._recovery(c)}")
+                    time.sleep(0.2)  # a crash loop must not spin
+                    self._start(c.name, c.env, c.command, c.restarts + 1)
+                trainers = [c for c in self.children if c.role == "trainer"]
+                if trainers_done_at is None and all(c.returncode is not None for c in trainers):
+                    trainers_done_at = now
+                if trainers_done_at is not None:
+                    pservers = [c for c in self.children if c.is_pserver and not self._reap(c)]
+                    if not pservers or now - trainers_done_at >= self.grace:
+                        if pservers:
+                            names = ", ".join(c.name for c in pservers)
+                            self._say(
+                                f"stopping {names}: still running {self.grace:g}s after the trainers finished"
+                            )
+                        bar.update(watch.poll() or watch.last)
+                        self._stop([c for c in self.children if c.role != "trainer"])
+                        return self._dataset_job_status(watch)
+                elif finished_at is not None and now - finished_at >= self.grace:
+                    hung = [c for c in trainers if not self._reap(c)]
+                    self._say(
+                        f"every pass is done; stopping {', '.join(c.name for c in hung)}: still running "
+                        f"{self.grace:g}s later"
+                    )
+                    self._stop(hung)
+                time.sleep(POLL_S)
+        finally:
+            bar.close()
+
+    def _recovery(self, child: Child) -> str:
+        n = f"restart {child.restarts + 1} of {self.dataset_job.max_restarts}"
+        if child.role == "trainer":
+            return f"restarting it ({n}); its task goes back to the queue and it rejoins the job"
+        if child.role == "pserver":
+            return (
+                f"restarting it ({n}); it restores its newest checkpoint in {self.checkpoint_dir} (what it "
+                "learned since is lost) and the trainers reconnect"
+            )
+        return f"restarting it ({n}) from its snapshot; the trainers reconnect and no task is lost"
+
+    def _dataset_job_status(self, watch: CoordinatorWatch) -> int:
+        status = watch.last or {}
+        if not status.get("finished"):
+            self._say("the trainers exited before the coordinator finished every pass")
+            return 1
+        history = status.get("history", [])
+        for summary in history:
+            discarded = summary.get("discarded", [])
+            self._say(
+                f"pass {summary['pass'] + 1}: {len(summary['done'])} tasks done, {summary['samples']:,} samples"
+                + (f", discarded tasks {discarded}" if discarded else "")
+            )
+        if status.get("discarded"):
+            reasons = "; ".join(f"task {t}: {why}" for t, why in status["discarded"].items())
+            self._say(f"discarded {len(status['discarded'])} task(s) that kept failing: {reasons}")
+        self._say("the job finished every pass")
+        return 0

@@ -1,0 +1,113 @@
+"""A pserver's checkpoints: where and how often (listen_and_serv's attributes, which the
+FLUIDPS_CHECKPOINT_* variables override), what they hold, and restoring them.
+
+The pserver hands in its values (copied under their locks) and its step count; the
+files, checksums and resharding are fluidps.io.checkpoints'.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from fluidps.errors import CheckpointError
+from fluidps.io import checkpoints as ckpt
+
+
+class Checkpointer:
+    def __init__(self, op: Any, log: Callable[[str], None], environ: Mapping[str, str] | None = None):
+        env = os.environ if environ is None else environ
+        self.log = log
+        self.directory = env.get("FLUIDPS_CHECKPOINT_DIR") or op.attr("checkpoint_dir")
+        self.every_steps = int(env.get("FLUIDPS_CHECKPOINT_EVERY_STEPS", op.attr("checkpoint_every_steps")))
+        self.every_seconds = float(
+            env.get("FLUIDPS_CHECKPOINT_EVERY_SECONDS", op.attr("checkpoint_every_seconds"))
+        )
+        keep = int(env.get("FLUIDPS_CHECKPOINT_KEEP", op.attr("checkpoint_keep")))
+        if self.every_steps < 0 or self.every_seconds < 0 or keep < 1:
+            raise CheckpointError(
+                f"checkpoint every {self.every_steps} steps / {self.every_seconds} s, keeping {keep}: "
+                "intervals must be >= 0 and keep >= 1"
+            )
+        # Which rows of which variable of the original program each persistable here is.
+        names, origins = op.attr("checkpoint_vars"), op.attr("checkpoint_origins")
+        offsets, heights = op.attr("checkpoint_offsets"), op.attr("checkpoint_origin_rows")
+        heights = heights or [-1] * len(names)  # programs transpiled before heights were recorded
+        self.placements = {
+            n: ckpt.Placement(o, None if off < 0 else off, None if rows < 0 else rows)
+            for n, o, off, rows in zip(names, origins, offsets, heights, strict=True)
+        }
+        self.store = (
+            ckpt.CheckpointStore(self.directory, op.attr("pserver_id"), keep) if self.directory else None
+        )
+        self.saved: list[dict[str, Any]] = []  # this run's checkpoints, for stats
+        self.restored_step: int | None = None
+        self._last = (0, time.monotonic())  # (step, when) of the last checkpoint
+
+    @property
+    def enabled(self) -> bool:
+        return self.store is not None
+
+    def due(self, steps: int) -> bool:
+        """A periodic checkpoint is due at `steps`."""
+        if self.store is None:
+            return False
+        last_step, last_time = self._last
+        by_steps = self.every_steps and steps - last_step >= self.every_steps
+        by_time = (
+            self.every_seconds and time.monotonic() - last_time >= self.every_seconds and steps > last_step
+        )
+        return bool(by_steps or by_time)
+
+    def changed_since_last(self, steps: int) -> bool:
+        return steps > self._last[0]
+
+    def save(self, values: dict[str, np.ndarray], steps: int, reason: str) -> ckpt.Checkpoint:
+        if self.store is None:
+            raise CheckpointError(
+                "this pserver has no checkpoint directory: set DistributeTranspilerConfig(checkpoint_dir=...) "
+                "or FLUIDPS_CHECKPOINT_DIR"
+            )
+        started = time.monotonic()
+        saved = self.store.save(values, self.placements, steps, reason)
+        self._last = (steps, time.monotonic())
+        self.saved.append(ckpt.describe(saved))
+        self.log(
+            f"checkpoint {saved.count} ({reason}, step {saved.step}, {saved.data_bytes:,} bytes) written to "
+            f"{saved.data_path} in {1e3 * (time.monotonic() - started):.0f} ms"
+        )
+        return saved
+
+    def restore(self, env: dict[str, Any], pserver_id: int) -> int | None:
+        """Overwrite `env`'s persistables with the newest checkpoints' rows (resharded when
+        the job's pservers changed); the step they were taken at, or None with none."""
+        if self.store is None:
+            return None
+        found, problems = ckpt.latest(self.store.directory)
+        for problem in problems:
+            self.log(f"checkpoint problem: {problem}")
+        if not found:
+            self.log(f"no checkpoint in {self.store.directory}: starting from the startup program's values")
+            return None
+        wanted = []
+        for name, placement in self.placements.items():
+            value = np.asarray(env[name])
+            wanted.append((name, placement.origin, placement.offset, value.shape, value.dtype))
+        # Newest first, so that rows held by several checkpoints come from the latest one.
+        sources = sorted(found.values(), key=lambda cv: cv[0].created, reverse=True)
+        values = ckpt.assemble(wanted, sources)
+        env.update(values)
+        own = found.get(pserver_id)
+        step = own[0].step if own is not None else max(c.step for c, _ in found.values())
+        self._last = (step, time.monotonic())
+        self.restored_step = step
+        used = ", ".join(f"pserver {c.pserver_id} #{c.count} (step {c.step})" for c, _ in sources)
+        self.log(
+            f"restored {len(values)} variables at step {step} from {used} in {self.store.directory}; "
+            "what this pserver learned after that is lost"
+        )
+        return step

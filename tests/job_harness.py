@@ -1,0 +1,68 @@
+"""Test harness for whole jobs in one process: pservers on threads, each with its own
+Executor, as `listen_and_serv` runs in a pserver process.
+
+Every wait is bounded; `join` checks that every pserver stopped without an error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import fluidps
+from fluidps.executor.rpc import RpcSettings
+
+
+class PserverThreads:
+    """One thread per endpoint running `transpiler.get_pserver_programs(endpoint)`
+    (startup, then main: it serves until every trainer sends COMPLETE). `wait` bounds
+    `drain` and `join` unless they are given their own timeout."""
+
+    def __init__(self, transpiler, endpoints: list[str], settings: RpcSettings, wait: float = 30.0):
+        self.transpiler, self.endpoints, self.wait = transpiler, list(endpoints), wait
+        self.errors: list[BaseException] = []
+        self.executors = {ep: fluidps.Executor(rpc_settings=settings) for ep in self.endpoints}
+        self.final_stats: dict[str, dict] = {}  # per endpoint, when its loop ended
+        self.threads = [
+            threading.Thread(target=self._serve, args=(ep,), daemon=True) for ep in self.endpoints
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _serve(self, endpoint: str) -> None:
+        exe = self.executors[endpoint]
+        try:
+            main, startup = self.transpiler.get_pserver_programs(endpoint)
+            exe.run(startup)
+            exe.run(main)  # serves until every trainer sends COMPLETE
+        except BaseException as e:
+            self.errors.append(e)
+        finally:
+            if exe.runtime.servers:
+                self.final_stats[endpoint] = exe.runtime.servers[0].stats()
+            exe.close()
+
+    def server(self, endpoint: str):
+        """The ParameterServer loop of `endpoint` (there once it answered a request)."""
+        return self.executors[endpoint].runtime.servers[0]
+
+    def drain(self, endpoint: str, timeout: float | None = None) -> None:
+        """Wait until the pserver has applied every gradient it queued."""
+        timeout = self.wait if timeout is None else timeout
+        server = self.server(endpoint)
+        runtime = self.executors[endpoint].runtime
+        deadline = time.monotonic() + timeout
+        for grad in server.grad_block:
+            while len(runtime.queue(grad)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(runtime.queue(grad)) == 0, f"{endpoint} did not apply its queued {grad} in {timeout} s"
+        for lock in server.locks.values():  # a worker that popped a gradient holds its lock while applying it
+            assert lock.acquire(timeout=timeout)
+            lock.release()
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (self.wait if timeout is None else timeout)
+        for thread in self.threads:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        assert not any(t.is_alive() for t in self.threads), "a pserver did not stop"
+        assert not self.errors, self.errors

@@ -1,0 +1,168 @@
+"""The coordinator over the wire: task requests and reports are checked field by field,
+trainers must agree on what they read, and a coordinator restarted from its snapshot
+carries on where it stopped."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from fluidps.errors import RemoteError
+from fluidps.executor.coordinator import Coordinator
+from fluidps.executor.rpc import RpcClient, RpcSettings
+from fluidps.executor.wire import Kind, Message
+from fluidps.io import Dataset
+
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=30.0)
+
+
+@pytest.fixture
+def dataset(tmp_path) -> Dataset:
+    return Dataset.write(tmp_path / "data", {"x": np.arange(100, dtype=np.float32)}, records_per_shard=25)
+
+
+class Running:
+    """A Coordinator serving on a thread, and trainers' clients of it."""
+
+    def __init__(self, snapshot=None):
+        self.coordinator = Coordinator("tcp://127.0.0.1:0", SETTINGS, snapshot=snapshot, task_timeout=30)
+        self.thread = threading.Thread(target=self.coordinator.serve_forever, daemon=True)
+        self.thread.start()
+        self.context = zmq.Context()
+        self.clients: list[RpcClient] = []
+
+    def client(self, trainer: int, sender: int) -> RpcClient:
+        client = RpcClient(self.context, self.coordinator.address, "coordinator", SETTINGS, trainer, sender)
+        self.clients.append(client)
+        return client
+
+    def stop(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.coordinator.stop()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+        self.context.term()
+
+
+@pytest.fixture
+def running():
+    job = Running()
+    yield job
+    job.stop()
+
+
+def ask(dataset: Dataset, **changes) -> str:
+    fields = {
+        "dataset": str(dataset.path),
+        "fingerprint": dataset.fingerprint,
+        "records_per_task": 10,
+        "passes": 2,
+        "shuffle": False,
+        "seed": 0,
+    }
+    return json.dumps(fields | changes)
+
+
+def test_tasks_are_handed_out_reported_and_counted(running, dataset):
+    client = running.client(0, 0xA)
+    reply = client.call(Message(Kind.TASK_GET, text=ask(dataset)))
+    assert reply.kind == Kind.TASK
+    task = json.loads(reply.text)
+    assert (task["task"], task["shard"], task["start"], task["stop"], task["pass"]) == (0, 0, 0, 10, 0)
+    report = {"lease": task["lease"], "samples": 10, "loss": 0.5}
+    assert client.call(Message(Kind.TASK_DONE, text=json.dumps(report))).text == "counted"
+    assert client.call(Message(Kind.TASK_DONE, text=json.dumps(report))).text == "stale"  # once only
+    status = json.loads(client.call(Message(Kind.STATUS)).text)
+    assert status["configured"] and status["done"] == 1 and status["tasks"] == 12  # 4 shards x 3 tasks
+    assert status["samples"] == 10 and status["loss"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("not json", "expected a JSON object"),
+        (json.dumps([1, 2]), "expected the fields"),
+        (json.dumps({"dataset": "x"}), "expected the fields"),
+    ],
+)
+def test_a_malformed_task_request_is_refused(running, text, message):
+    with pytest.raises(RemoteError, match=message):
+        running.client(0, 0xA).call(Message(Kind.TASK_GET, text=text))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"records_per_task": "10"}, "field 'records_per_task' has a bad value"),
+        ({"shuffle": 1}, "field 'shuffle' has a bad value"),
+        ({"passes": True}, "field 'passes' has a bad value"),
+        ({"fingerprint": "0" * 16}, "do they see the same files"),
+        ({"passes": 0}, "passes and records_per_task must be >= 1"),
+    ],
+)
+def test_a_request_with_bad_fields_is_refused(running, dataset, change, message):
+    with pytest.raises(RemoteError, match=message):
+        running.client(0, 0xA).call(Message(Kind.TASK_GET, text=ask(dataset, **change)))
+
+
+def test_trainers_must_read_the_same_dataset_the_same_way(running, dataset):
+    running.client(0, 0xA).call(Message(Kind.TASK_GET, text=ask(dataset)))
+    with pytest.raises(RemoteError, match="every trainer must read the same dataset the same way"):
+        running.client(1, 0xB).call(Message(Kind.TASK_GET, text=ask(dataset, records_per_task=5)))
+
+
+@pytest.mark.parametrize(
+    "report, message",
+    [
+        ({"lease": 1, "samples": -1, "loss": 0.5}, "samples >= 0 and a finite loss"),
+        ({"lease": 1, "samples": 3, "loss": math.inf}, "samples >= 0 and a finite loss"),
+        ({"lease": 1, "samples": 3}, "expected the fields"),
+        ({"lease": "1", "samples": 3, "loss": None}, "field 'lease' has a bad value"),
+    ],
+)
+def test_a_bad_report_is_refused_and_changes_nothing(running, dataset, report, message):
+    client = running.client(0, 0xA)
+    client.call(Message(Kind.TASK_GET, text=ask(dataset)))
+    with pytest.raises(RemoteError, match=message):
+        client.call(Message(Kind.TASK_DONE, text=json.dumps(report)))
+    status = json.loads(client.call(Message(Kind.STATUS)).text)
+    assert status["done"] == 0 and status["pending"] == 1
+
+
+def test_a_report_before_any_task_is_refused(running):
+    with pytest.raises(RemoteError, match="no task was handed out yet"):
+        running.client(0, 0xA).call(
+            Message(Kind.TASK_DONE, text=json.dumps({"lease": 1, "samples": 1, "loss": None}))
+        )
+
+
+def test_a_restarted_coordinator_resumes_from_its_snapshot(tmp_path, dataset):
+    snapshot = tmp_path / "coordinator.json"
+    first = Running(snapshot)
+    try:
+        client = first.client(0, 0xA)
+        done = json.loads(client.call(Message(Kind.TASK_GET, text=ask(dataset))).text)
+        client.call(
+            Message(Kind.TASK_DONE, text=json.dumps({"lease": done["lease"], "samples": 10, "loss": None}))
+        )
+        held = json.loads(client.call(Message(Kind.TASK_GET, text=ask(dataset))).text)
+    finally:
+        first.stop()
+    second = Running(snapshot)  # what a launcher does after kill -9
+    try:
+        client = second.client(0, 0xA)
+        status = json.loads(client.call(Message(Kind.STATUS)).text)
+        assert status["done"] == 1 and status["pending"] == 1
+        # The trainer still holds its task: asking again gives the same lease, and its report counts.
+        again = json.loads(client.call(Message(Kind.TASK_GET, text=ask(dataset))).text)
+        assert again == held
+        report = {"lease": held["lease"], "samples": 10, "loss": None}
+        assert client.call(Message(Kind.TASK_DONE, text=json.dumps(report))).text == "counted"
+    finally:
+        second.stop()
