@@ -78,6 +78,9 @@ class ExecutorServer:
         program still running (a pserver whose trainers never finished) is
         abandoned: its sockets stay open, so the runtime is not closed under it."""
         busy = [t for t in (self._background, self._job and self._job.thread) if t is not None]
+        if self._background is not None and self._background.is_alive() and self.exe._runtime is not None:
+            for loop in self.exe.runtime.servers:  # pserver loops still serving: save, then end
+                loop.stop("shutdown")
         for thread in busy:
             thread.join(timeout=self.settings.peer_timeout)
         if any(t.is_alive() for t in busy):

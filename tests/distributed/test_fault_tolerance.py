@@ -249,3 +249,40 @@ def test_a_task_that_crashes_its_trainer_every_time_is_discarded_and_the_job_fin
         log,
     )
     assert "[launch] discarded 1 task(s) that kept failing" in log
+
+
+def test_a_pserver_sent_sigterm_checkpoints_and_dies_of_it(tmp_path):
+    """A pserver process running the Fluid way (listen_and_serv in its main thread), with a
+    checkpoint directory, saves a checkpoint when it gets SIGTERM, then exits by it."""
+    from fluidps.executor.launcher import job_environments, pick_ports
+
+    ports = pick_ports("127.0.0.1", 1)
+    env = os.environ | {"FLUIDPS_PEER_TIMEOUT": "5"}
+    extra = {"FLUIDPS_CHECKPOINT_DIR": str(tmp_path / "ckpt")}  # as `fluidps launch --dataset` sets it
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name, job_env in job_environments("127.0.0.1", ports, 1, "sync", env, extra):
+            out = open(tmp_path / f"{name}.out", "w")  # noqa: SIM115 (closed with the process, below)
+            procs[name] = subprocess.Popen(
+                [sys.executable, str(DIGITS), "--epochs", "1000"],
+                env=job_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            out.close()
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while "epoch 2/" not in (tmp_path / "trainer.0.out").read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values())
+            time.sleep(0.1)
+        procs["pserver.0"].send_signal(signal.SIGTERM)
+        assert procs["pserver.0"].wait(timeout=30) == -signal.SIGTERM
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    log = (tmp_path / "pserver.0.out").read_text()
+    assert re.search(r"checkpoint 1 \(SIGTERM, step \d+", log), log[-2000:]
+    (saved,) = fluidps.io.checkpoints.scan(tmp_path / "ckpt")
+    assert saved.reason == "SIGTERM" and saved.step > 0
+    assert set(saved.load()) == {p.name for p in saved.pieces}  # intact: it loads

@@ -60,8 +60,10 @@ class Job(PserverThreads):
             self.transpilers.append(t)
         super().__init__(self.transpilers[0], endpoints, SETTINGS, wait=60.0)
 
-    def trainer(self, trainer_id: int = 0) -> tuple[fluidps.Executor, fluidps.Program]:
-        exe = fluidps.Executor(rpc_settings=SETTINGS)
+    def trainer(
+        self, trainer_id: int = 0, settings: RpcSettings = SETTINGS
+    ) -> tuple[fluidps.Executor, fluidps.Program]:
+        exe = fluidps.Executor(rpc_settings=settings)
         exe.run(self.transpilers[trainer_id].get_trainer_startup_program())
         return exe, self.transpilers[trainer_id].get_trainer_program()
 
@@ -335,3 +337,37 @@ def test_stats_over_the_wire_stay_compact_however_many_rows_arrive(monkeypatch):
         job.join()
     (final,) = job.final_stats.values()
     assert final["received_rows"][grad] == sent  # in the process: every row, in arrival order
+
+
+def test_checkpoints_every_few_seconds(tmp_path):
+    main, startup, loss = adam_mlp()
+    job = Job(main, startup, pservers=1, checkpoint_dir=str(tmp_path), checkpoint_every_seconds=0.2)
+    exe, trainer = job.trainer()
+    try:
+        for b in batches(3):
+            exe.run(trainer, feed=b, fetch_list=[loss])
+            time.sleep(0.5)  # longer than the interval: a checkpoint after each step
+        deadline = time.monotonic() + 30
+        while len(scan(tmp_path)) < 3:
+            assert time.monotonic() < deadline, [(c.step, c.reason) for c in scan(tmp_path)]
+            time.sleep(0.05)
+    finally:
+        exe.close()
+        job.join()
+    assert [(c.step, c.reason) for c in scan(tmp_path)] == [(1, "periodic"), (2, "periodic"), (3, "periodic")]
+
+
+def test_a_pserver_told_to_stop_checkpoints_first(tmp_path):
+    """What a `fluidps serve` told to shut down, or a pserver process sent SIGTERM, does."""
+    main, startup, loss = adam_mlp()
+    job = Job(main, startup, pservers=1, checkpoint_dir=str(tmp_path))
+    exe, trainer = job.trainer(settings=SETTINGS.with_(peer_timeout=1.0))  # it closes after the pserver
+    try:
+        for b in batches(2):
+            exe.run(trainer, feed=b, fetch_list=[loss])
+        job.server(job.endpoints[0]).stop("shutdown")
+        job.join()
+    finally:
+        problems = exe.close()
+    assert [(c.step, c.reason) for c in scan(tmp_path)] == [(2, "shutdown")]
+    assert len(problems) == 1 and "did not answer" in problems[0]  # the pserver it would tell is gone
