@@ -9,7 +9,7 @@ moment and restarted from its snapshot neither loses nor double-counts a task:
 a report it never answered is retried by the trainer (`CoordinatorClient`) and
 counted then; one it answered is in the snapshot.
 
-Every message's text is JSON, parsed into checked fields (`_fields`): nothing
+Every message's text is JSON, parsed into checked fields (`wire.json_fields`): nothing
 received is evaluated.
 """
 
@@ -27,7 +27,7 @@ import zmq
 from fluidps.errors import Error, PeerLostError, RemoteError, TransportError
 from fluidps.executor.rpc import Request, RpcClient, RpcServer, RpcSettings
 from fluidps.executor.task_queue import Lease, QueueConfig, TaskQueue
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.wire import OPTIONAL_FLOAT, Kind, Message, json_fields
 from fluidps.io.atomic import write_atomic
 from fluidps.io.dataset import Dataset
 
@@ -127,7 +127,7 @@ class Coordinator:
     # -- tasks ------------------------------------------------------------------------------
 
     def _get(self, msg: Message) -> Message:
-        wanted = _fields(msg.text, READ_REQUEST)
+        wanted = json_fields(msg.text, READ_REQUEST)
         config = QueueConfig(
             wanted["fingerprint"],
             wanted["records_per_task"],
@@ -170,11 +170,11 @@ class Coordinator:
         queue, worker = self.queue, f"{msg.sender:x}"
         pass_before = queue.pass_index
         if msg.kind == Kind.TASK_RENEW:
-            lease_id = _fields(msg.text, {"lease": int})["lease"]
+            lease_id = json_fields(msg.text, {"lease": int})["lease"]
             ok = queue.renew(lease_id, worker, time.monotonic())
             return Message(Kind.OK, text="renewed" if ok else "stale")
         if msg.kind == Kind.TASK_DONE:
-            fields = _fields(msg.text, {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT})
+            fields = json_fields(msg.text, {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT})
             if fields["samples"] < 0 or (fields["loss"] is not None and not math.isfinite(fields["loss"])):
                 raise Error(f"a task report needs samples >= 0 and a finite loss, got {msg.text!r}")
             counted = queue.finish(fields["lease"], worker, fields["samples"], fields["loss"])
@@ -184,7 +184,7 @@ class Coordinator:
                 )
             self._after_change(pass_before)
             return Message(Kind.OK, text="counted" if counted else "stale")
-        fields = _fields(msg.text, {"lease": int, "reason": str})
+        fields = json_fields(msg.text, {"lease": int, "reason": str})
         lease = next((le for le in queue.pending.values() if le.id == fields["lease"]), None)
         outcome = queue.fail(fields["lease"], worker, fields["reason"])
         if lease is not None and outcome != "stale":
@@ -255,33 +255,6 @@ class Coordinator:
         if self.queue is None:
             return {"configured": False, "finished": False}
         return {"configured": True, "dataset": self.dataset_path, **self.queue.status()}
-
-
-OPTIONAL_FLOAT = "a number or null"
-
-
-def _fields(text: str, schema: dict[str, Any]) -> dict[str, Any]:
-    """The JSON object in `text`, with exactly the keys of `schema` and values of their
-    types (int, float, str, bool, or OPTIONAL_FLOAT)."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        raise Error(f"expected a JSON object, got {text[:80]!r}") from None
-    if not isinstance(body, dict) or set(body) != set(schema):
-        raise Error(f"expected the fields {sorted(schema)}, got {text[:200]!r}")
-    for key, kind in schema.items():
-        value = body[key]
-        if kind in (float, OPTIONAL_FLOAT):
-            if value is None and kind == OPTIONAL_FLOAT:
-                continue
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if ok:
-                body[key] = float(value)
-        else:
-            ok = isinstance(value, kind) and isinstance(value, bool) == (kind is bool)
-        if not ok:
-            raise Error(f"field {key!r} has a bad value {value!r}")
-    return body
 
 
 class CoordinatorClient:

@@ -46,7 +46,7 @@ from fluidps.executor.rpc import RpcClient, RpcSettings, wait_all
 from fluidps.executor.scope import Scope
 from fluidps.executor.security import Security
 from fluidps.executor.server import REFRESH
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.wire import Kind, Message, json_fields
 from fluidps.ir.program import Program
 from fluidps.ir.types import OpRole
 from fluidps.ops.selected_rows import SelectedRows
@@ -238,7 +238,9 @@ class RemoteExecutor:
                     "no trainer got a task for a long while: the coordinator holds none for them"
                 )
             time.sleep(0.05)
-        sizes = [json.loads(replies[t].text or '{"samples": 1}')["samples"] or 1 for t in ran]
+        sizes = [
+            json_fields(replies[t].text, {"samples": int})["samples"] if replies[t].text else 1 for t in ran
+        ]
         values = [[replies[t].tensors[n] for n in fetch_names] for t in ran]
         return [_combine(program, name, [v[k] for v in values], sizes) for k, name in enumerate(fetch_names)]
 

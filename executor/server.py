@@ -21,7 +21,7 @@ import zmq
 from fluidps.errors import EOFException, Error, NoDataYet
 from fluidps.executor.executor import Executor
 from fluidps.executor.rpc import Request, RpcServer, RpcSettings
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.wire import Kind, Message, json_fields
 from fluidps.ir.program import Program
 
 # The program a trainer runs after skipping a step: its startup's recv, without readers.
@@ -139,13 +139,9 @@ class ExecutorServer:
     def _configure(self, text: str) -> None:
         """The job's coordinator: this executor's readers take their tasks from it, and,
         driven step by step by a client, return (NO_TASK) rather than wait for one."""
-        try:
-            settings = json.loads(text)
-        except ValueError:
-            settings = None
-        address = settings.get("coordinator") if isinstance(settings, dict) and len(settings) == 1 else None
-        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
-            raise Error(f'CONFIGURE takes {{"coordinator": "tcp://host:port"}}, got {text[:200]!r}')
+        address = json_fields(text, {"coordinator": str})["coordinator"]
+        if not address.startswith(("tcp://", "ipc://")):
+            raise Error(f"CONFIGURE: the coordinator's address must be tcp:// or ipc://, got {address!r}")
         self.exe.runtime.coordinator = address
         self.exe.runtime.wait_for_tasks = False
 

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from fluidps.errors import DatasetError, EOFException, Error, NoDataYet
-from fluidps.executor.coordinator import CoordinatorClient, _fields
+from fluidps.executor.coordinator import CoordinatorClient
 from fluidps.executor.task_queue import Lease, QueueConfig, TaskQueue
-from fluidps.executor.wire import Kind
+from fluidps.executor.wire import Kind, json_fields
 from fluidps.io.dataset import Dataset
 from fluidps.ops.reader import ReaderSpec
 
@@ -248,7 +248,7 @@ class CoordinatorSource:
             raise Error(
                 f"the coordinator answered a task request with {reply.kind_name} {reply.text[:200]!r}"
             )
-        f = _fields(reply.text, _TASK_REPLY)
+        f = json_fields(reply.text, _TASK_REPLY)
         if not (0 <= f["start"] <= f["stop"]) or f["timeout"] <= 0:
             raise Error(f"the coordinator sent an invalid task {reply.text!r}")
         return TaskLease(f["lease"], f["task"], f["shard"], f["start"], f["stop"], f["pass"], f["timeout"])

@@ -10,6 +10,7 @@ checked before an array is made, and anything off raises WireError.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -208,3 +209,32 @@ def _tensor(meta: pb.TensorMeta, name: str, frames: list[Any]) -> Any:
     if height < 0 or height > MAX_DIM or (rows.size and (rows.min() < 0 or rows.max() >= height)):
         raise WireError(f"sparse tensor {name!r}: row ids must be in [0, {height})")
     return SelectedRows(rows, array, height)
+
+
+# -- JSON in a message's text (coordinator requests, settings) ----------------------------
+
+OPTIONAL_FLOAT = "a number or null"
+
+
+def json_fields(text: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object in a message's text, with exactly the keys of `schema` and values
+    of their types (int, float, str, bool, or OPTIONAL_FLOAT); WireError otherwise."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        raise WireError(f"expected a JSON object, got {text[:80]!r}") from None
+    if not isinstance(body, dict) or set(body) != set(schema):
+        raise WireError(f"expected the fields {sorted(schema)}, got {text[:200]!r}")
+    for key, kind in schema.items():
+        value = body[key]
+        if kind in (float, OPTIONAL_FLOAT):
+            if value is None and kind == OPTIONAL_FLOAT:
+                continue
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok:
+                body[key] = float(value)
+        else:
+            ok = isinstance(value, kind) and isinstance(value, bool) == (kind is bool)
+        if not ok:
+            raise WireError(f"field {key!r} has a bad value {value!r}")
+    return body
