@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from fluidps.errors import Error, ExecutionError, TransportError
+from fluidps.executor import gradients
 from fluidps.executor.block_runner import BlockRunner, LayeredEnv
 from fluidps.executor.membership import DONE, Membership
 from fluidps.executor.pserver_checkpoints import Checkpointer
@@ -89,19 +90,6 @@ def _pairs(values: list[str]) -> dict[str, int]:
         name, _, idx = item.rpartition(":")
         out[name] = int(idx)
     return out
-
-
-def _mean(values: list[Any]) -> Any:
-    """The mean of dense arrays or of SelectedRows (rows concatenated, values scaled)."""
-    if isinstance(values[0], SelectedRows):
-        rows = np.concatenate([v.rows for v in values])
-        value = np.concatenate([v.value for v in values]) / np.asarray(
-            len(values), dtype=values[0].value.dtype
-        )
-        return SelectedRows(rows, value.astype(values[0].value.dtype), values[0].height)
-    return (sum(values[1:], values[0].copy()) / np.asarray(len(values), dtype=values[0].dtype)).astype(
-        values[0].dtype
-    )
 
 
 class ParameterServer:
@@ -342,7 +330,7 @@ class ParameterServer:
             # barrier with no batch) count as the mean of those that did, so the optimize
             # blocks' sum / trainers is the mean of the gradients that came.
             for grad in self.grad_block if missing else ():
-                mean = _mean([self.env[f"{grad}.trainer_{t}"] for t in sorted(contributors)])
+                mean = gradients.mean([self.env[f"{grad}.trainer_{t}"] for t in sorted(contributors)])
                 for t in missing:
                     self.env[f"{grad}.trainer_{t}"] = mean
             if self.lr_block is not None:

@@ -22,7 +22,7 @@ import zmq
 
 from fluidps.errors import Error, TransportError
 from fluidps.executor.coordinator import CoordinatorClient
-from fluidps.executor.intervals import GradientSum
+from fluidps.executor.gradients import GradientSum
 from fluidps.executor.keepalive import Keepalive
 from fluidps.executor.rpc import RpcClient, RpcSettings, wait_all, zmq_address
 from fluidps.executor.security import Security

@@ -1,9 +1,11 @@
-"""Async trainers that talk less often: gradients summed over `send_interval` steps.
+"""Summing and averaging gradients, dense arrays or SelectedRows: the mean over trainers a
+sync pserver fills in for trainers that sent nothing, and the mean over `send_interval`
+steps an async trainer uploads.
 
 A trainer with send_interval n uploads, every n steps, the mean of its last n
-gradients; the sum lives here, in its Runtime, keyed by what is sent, so it
-does not depend on how often the program is prepared again, and what is left
-of it when the trainer stops is still uploaded.
+gradients; the sum lives in its Runtime (GradientSum), keyed by what is sent, so it
+does not depend on how often the program is prepared again, and what is left of it
+when the trainer stops is still uploaded.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 from fluidps.ops.selected_rows import SelectedRows
 
 
-def _add(total: Any, value: Any) -> Any:
+def add(total: Any, value: Any) -> Any:
+    """`total` + `value` (None: nothing yet); SelectedRows keep every row, repeats too."""
     if total is None:
         return value.copy() if isinstance(value, (np.ndarray, SelectedRows)) else value
     if isinstance(value, SelectedRows):  # rows of every step, repeats kept (the pserver merges them)
@@ -25,10 +28,18 @@ def _add(total: Any, value: Any) -> Any:
     return total + value
 
 
-def _mean(total: Any, count: int) -> Any:
+def divide(total: Any, count: int) -> Any:
     if isinstance(total, SelectedRows):
         return SelectedRows(total.rows, (total.value / count).astype(total.value.dtype), total.height)
     return (total / count).astype(total.dtype)
+
+
+def mean(values: list[Any]) -> Any:
+    """The mean of several gradients of one variable."""
+    total = None
+    for value in values:
+        total = add(total, value)
+    return divide(total, len(values))
 
 
 class GradientSum:
@@ -41,11 +52,11 @@ class GradientSum:
         self.count = 0
 
     def add(self, values: list[Any]) -> None:
-        self.totals = [_add(t, v) for t, v in zip(self.totals, values, strict=True)]
+        self.totals = [add(t, v) for t, v in zip(self.totals, values, strict=True)]
         self.count += 1
 
     def take_mean(self) -> list[tuple[str, str, Any]]:
         """(endpoint, name, mean gradient) of every target; the sum starts again."""
-        means = [_mean(t, self.count) for t in self.totals]
+        means = [divide(t, self.count) for t in self.totals]
         self.totals, self.count = [None] * len(self.targets), 0
         return [(ep, name, value) for (ep, name), value in zip(self.targets, means, strict=True)]
