@@ -21,6 +21,7 @@ slowest live one instead of dragging every other trainer back to its step 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fluidps.errors import TransportError
@@ -40,10 +41,22 @@ class Member:
 
 
 class Membership:
-    def __init__(self, trainers: int, elastic: bool):
+    def __init__(self, trainers: int, elastic: bool, on_event: Callable[[str], None] | None = None):
         self.elastic = elastic
         self.members = {t: Member() for t in range(trainers)}
-        self.events: list[str] = []  # joins, evictions and restarts, for the log
+        self.events: list[str] = []  # joins, evictions and restarts
+        self._on_event = on_event  # told each event as it happens (the pserver's log)
+
+    def _note(self, event: str) -> None:
+        self.events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
+
+    def _rejoin(self, trainer: int, sender: int) -> None:
+        """`sender` holds the trainer id from now on, level with the slowest live trainer."""
+        member = self.members[trainer]
+        member.sender, member.state, member.last_step = sender, LIVE, None
+        member.clock = self._slowest_clock(exclude=trainer)
 
     # -- who --------------------------------------------------------------------------------
 
@@ -71,9 +84,8 @@ class Membership:
             )
         if member.sender == 0:  # the first message of this id, or the first since an eviction
             if member.state == LOST:
-                self.events.append(f"trainer {trainer} rejoins (incarnation {sender:x})")
-                member.state, member.last_step = LIVE, None
-                member.clock = self._slowest_clock(exclude=trainer)
+                self._note(f"trainer {trainer} rejoins (incarnation {sender:x})")
+                self._rejoin(trainer, sender)
             member.sender = sender
             return
         if not self.elastic:
@@ -81,12 +93,9 @@ class Membership:
                 f"trainer {trainer} restarted (incarnation {member.sender:x} -> {sender:x}), but this job is "
                 "not elastic: its earlier steps cannot be told apart from the new ones"
             )
-        self.events.append(
-            f"trainer {trainer} restarted (incarnation {member.sender:x} -> {sender:x}); it rejoins"
-        )
+        self._note(f"trainer {trainer} restarted (incarnation {member.sender:x} -> {sender:x}); it rejoins")
         member.evicted.add(member.sender)
-        member.sender, member.state, member.last_step = sender, LIVE, None
-        member.clock = self._slowest_clock(exclude=trainer)
+        self._rejoin(trainer, sender)
 
     def pause(self, trainer: int) -> None:
         if self.members[trainer].state == LIVE:
@@ -109,7 +118,7 @@ class Membership:
         if self.elastic and member.sender:
             member.evicted.add(member.sender)
             member.sender = 0  # a new incarnation may join
-        self.events.append(f"trainer {trainer} {'evicted' if self.elastic else 'lost'}: {why}")
+        self._note(f"trainer {trainer} {'evicted' if self.elastic else 'lost'}: {why}")
 
     # -- clocks ------------------------------------------------------------------------------
 

@@ -112,7 +112,7 @@ class ParameterServer:
         lr = op.attr("lr_decay_block_id")
         self.lr_block = BlockRunner(program.block(lr)) if lr >= 0 else None
         self.served = {n for n, v in program.global_block().vars.items() if v.persistable}
-        self.members = Membership(self.fanin, elastic=runtime.settings.elastic)
+        self.members = Membership(self.fanin, elastic=runtime.settings.elastic, on_event=self.log)
         self.arrived: set[int] = set()  # sync: send barriers of the current step
         self.sent: set[int] = set()  # sync: trainers whose gradients of the current step arrived
         self.awaiting: dict[int, int] = {}  # sync: the step each trainer's next GET waits for
@@ -222,9 +222,7 @@ class ParameterServer:
             "received_row_counts": {grad: log.total for grad, log in self.received_rows.items()},
             "checkpoints": list(self.checkpoints.saved),
             "restored_step": self.checkpoints.restored_step,
-            "log": (self.log_lines + self.members.events)[-200:]
-            if compact
-            else self.log_lines + self.members.events,
+            "log": self.log_lines[-200:] if compact else list(self.log_lines),
         }
         if rows is not None:
             out["received_rows"] = rows
@@ -275,7 +273,6 @@ class ParameterServer:
         self.members.admit(trainer, msg.sender)
         member = self.members.members[trainer]
         if before and member.sender != before:  # a new incarnation replaced an old one
-            self.log(self.members.events[-1])
             self.arrived.discard(trainer)
             self.awaiting.pop(trainer, None)
             self.deferred = [r for r in self.deferred if r.msg.trainer_id != trainer]
@@ -376,7 +373,6 @@ class ParameterServer:
                     self.server.error(waiting, error)
                 self.deferred = []
                 raise TransportError(error)
-            self.log(f"trainer {trainer} evicted: {why}; its gradients of this step are dropped")
             self.arrived.discard(trainer)
             self.deferred = [r for r in self.deferred if r.msg.trainer_id != trainer]
             self._maybe_optimize()
