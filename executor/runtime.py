@@ -220,11 +220,16 @@ class Runtime:
             out.append(tensors[name])
         return out
 
+    def _to_all(self, kind: int, endpoints: Sequence[str], trainer_id: int, wait: bool = True) -> None:
+        """One message of `kind` (no tensors) to each pserver of `endpoints`."""
+        requests = {ep: Message(kind, trainer_id=trainer_id, step=self.step) for ep in endpoints}
+        self._exchange(requests, trainer_id, wait=wait)
+
     def barrier(self, kind: int, endpoints: Sequence[str], trainer_id: int) -> None:
         """The send barrier waits (for it and the sends before it); the fetch barrier does not."""
-        self._barrier_endpoints = tuple(endpoints) if kind == Kind.SEND_BARRIER else self._barrier_endpoints
-        requests = {ep: Message(kind, trainer_id=trainer_id, step=self.step) for ep in endpoints}
-        self._exchange(requests, trainer_id, wait=kind != Kind.FETCH_BARRIER)
+        if kind == Kind.SEND_BARRIER:
+            self._barrier_endpoints = tuple(endpoints)
+        self._to_all(kind, endpoints, trainer_id, wait=kind != Kind.FETCH_BARRIER)
 
     def skip_step(self) -> None:
         """Take part in a step without gradients (this trainer had no batch), so that no
@@ -232,18 +237,13 @@ class Runtime:
         the others' gradients; otherwise an empty SEND moves its clock (SSP) with theirs."""
         if self._barrier_endpoints:
             self.barrier(Kind.SEND_BARRIER, self._barrier_endpoints, self.trainer_id)
-        elif self._clients:
-            requests = {
-                ep: Message(Kind.SEND, trainer_id=self.trainer_id, step=self.step) for ep in self._clients
-            }
-            self._exchange(requests, self.trainer_id, wait=True)
+        else:
+            self._to_all(Kind.SEND, list(self._clients), self.trainer_id)
 
     def pause(self) -> None:
         """Tell every pserver this trainer has no data for now: until it sends again, no
         barrier waits for it (its next gradients resume it)."""
-        trainer_id = self.trainer_id
-        requests = {ep: Message(Kind.PAUSE, trainer_id=trainer_id, step=self.step) for ep in self._clients}
-        self._exchange(requests, trainer_id, wait=True)
+        self._to_all(Kind.PAUSE, list(self._clients), self.trainer_id)
 
     # -- reading ------------------------------------------------------------------------------
 
