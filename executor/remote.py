@@ -301,8 +301,8 @@ class RemoteExecutor:
             staged = self.scope.staging
             self.scope.deployment = d
             placed = {p.var for p in plan.placements}
-            stats = wait_all({ep: (c, c.request(Message(Kind.STATS))) for ep, c in observers.items()})
-            resumed = {json.loads(r.text)["restored_step"] for r in stats.values()} - {None}
+            stats = _ask_all(observers, Kind.STATS)
+            resumed = {s["restored_step"] for s in stats.values()} - {None}
             if not resumed:
                 self.scope.scatter({n: v for n in placed if _is_value(v := staged.find(n))})
             for s, p in zip(trainers, plans, strict=True):
@@ -335,8 +335,7 @@ class RemoteExecutor:
         d = self._deployment
         if d is None:
             return {}
-        replies = wait_all({ep: (c, c.request(Message(Kind.STATS))) for ep, c in d.pservers.items()})
-        return {ep: json.loads(r.text) for ep, r in replies.items()}
+        return _ask_all(d.pservers, Kind.STATS)
 
     def checkpoint(self) -> dict[str, str]:
         """Every pserver saves a checkpoint now (into the job's checkpoint_dir, set in
@@ -346,8 +345,7 @@ class RemoteExecutor:
             raise ExecutionError(
                 "the job has not started: run the training program once before checkpointing"
             )
-        replies = wait_all({ep: (c, c.request(Message(Kind.CHECKPOINT))) for ep, c in d.pservers.items()})
-        return {ep: json.loads(r.text)["path"] for ep, r in replies.items()}
+        return {ep: saved["path"] for ep, saved in _ask_all(d.pservers, Kind.CHECKPOINT).items()}
 
     # -- ending ----------------------------------------------------------------------------
 
@@ -369,6 +367,12 @@ class RemoteExecutor:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def _ask_all(pservers: Mapping[str, RpcClient], kind: int) -> dict[str, Any]:
+    """Every pserver's JSON answer to a `kind` request (STATS, CHECKPOINT), asked at once."""
+    replies = wait_all({ep: (c, c.request(Message(kind))) for ep, c in pservers.items()})
+    return {ep: json.loads(r.text) for ep, r in replies.items()}
 
 
 def _load(name: str, program: Program) -> Message:
