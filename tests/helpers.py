@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import fluidps
@@ -13,6 +16,19 @@ from fluidps import layers
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PADDLE = FIXTURES / "paddle"
+
+
+def stop_group(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Stop a process started with start_new_session and everything in its group, by its
+    own id: SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout)
 
 
 def paddle_fixture(name: str) -> Path:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from fluidps.executor.runtime import settings_from_env
 from fluidps.executor.wire import Kind, Message, decode, encode
 from fluidps.ir.types import VarType
 from fluidps.ops.selected_rows import SelectedRows
+from helpers import stop_group
 
 FLUIDPS = [sys.executable, "-m", "fluidps"]
 READY = " ready on "
@@ -101,13 +101,7 @@ def _pserver(
             time.sleep(0.05)
         yield process, endpoint, t
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
+        stop_group(process)
 
 
 @contextmanager

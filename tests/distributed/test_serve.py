@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 
 import fluidps
 from fluidps import layers, optimizer
+from helpers import stop_group
 
 FLUIDPS = [sys.executable, "-m", "fluidps"]
 READY = " ready on "
@@ -47,13 +47,7 @@ def _serve(*args: str, name: str, timeout: float = 60) -> Iterator[tuple[subproc
                 pytest.fail(f"{name} did not say it was ready (exit status {process.poll()})")
         yield process, line.decode().split(READY, 1)[1].strip()
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
+        stop_group(process)
         process.stdout.close()
 
 
