@@ -10,6 +10,7 @@ with fluidps.program_guard(main, startup):
 """
 
 from fluidps import initializer, io, layers, optimizer
+from fluidps.backward import append_backward
 from fluidps.errors import (
     BuilderError,
     CheckpointError,
@@ -27,8 +28,8 @@ from fluidps.errors import (
     VerifyError,
 )
 from fluidps.executor import Executor, Scope
-from fluidps.executor.remote import JobDesc, RemoteExecutor
-from fluidps.executor.roles import RoleInfo, role_from_env
+from fluidps.executor.launch.env import RoleInfo, role_from_env
+from fluidps.executor.remote.remote_executor import JobDesc, RemoteExecutor
 from fluidps.ir import AttrType, Block, Operator, OpRole, Parameter, Program, Variable, VarType
 from fluidps.layers.guard import program_guard
 from fluidps.ops import REGISTRY as op_registry
@@ -37,7 +38,6 @@ from fluidps.optimizer.clip import GradientClipByGlobalNorm
 from fluidps.optimizer.regularizer import L2Decay
 from fluidps.param_attr import ParamAttr
 from fluidps.transpiler import DistributedPlan, DistributeTranspiler, DistributeTranspilerConfig
-from fluidps.transpiler.backward import append_backward
 
 __version__ = "0.1.0"
 

@@ -8,9 +8,9 @@ import click
 
 from fluidps.cli.common import fail
 from fluidps.errors import Error
-from fluidps.executor.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
-from fluidps.executor.dataset_launcher import DatasetJob, DatasetLauncher
-from fluidps.executor.launcher import Launcher
+from fluidps.executor.launch.dataset_launcher import DatasetJob, DatasetLauncher
+from fluidps.executor.launch.launcher import Launcher
+from fluidps.executor.tasks.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
 from fluidps.transpiler.config import MODES
 
 

@@ -15,13 +15,13 @@ import click
 
 from fluidps.cli.common import fail, load_program
 from fluidps.errors import Error
-from fluidps.executor.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT, Coordinator
 from fluidps.executor.executor import Executor
-from fluidps.executor.rpc import RpcSettings
+from fluidps.executor.launch.processes import READY
+from fluidps.executor.remote.executor_server import ExecutorServer
 from fluidps.executor.runtime import settings_from_env
-from fluidps.executor.security import Security, generate_keys
-from fluidps.executor.server import ExecutorServer
-from fluidps.executor.server_process import READY
+from fluidps.executor.tasks.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT, Coordinator
+from fluidps.executor.transport.rpc import RpcSettings
+from fluidps.executor.transport.security import Security, generate_keys
 
 
 def _settings(keys: str | None, insecure: bool, peer_timeout: float | None) -> RpcSettings:

@@ -17,9 +17,9 @@ import numpy as np
 
 from fluidps.errors import EOFException, ExecutionError, FeedError, NoDataYet, ProgramError
 from fluidps.executor.block_runner import BlockRunner
-from fluidps.executor.rpc import RpcSettings
 from fluidps.executor.runtime import Runtime
 from fluidps.executor.scope import Scope, Value
+from fluidps.executor.transport.rpc import RpcSettings
 from fluidps.ir.program import Program
 from fluidps.ir.types import EMPTY_VAR_NAME, FEED_VAR_NAME, FETCH_VAR_NAME, TENSOR_KINDS, to_numpy_dtype
 from fluidps.ir.variable import Variable

@@ -21,13 +21,13 @@ from typing import Any
 import zmq
 
 from fluidps.errors import Error, TransportError
-from fluidps.executor.coordinator import CoordinatorClient
-from fluidps.executor.gradients import GradientSum
-from fluidps.executor.keepalive import Keepalive
-from fluidps.executor.rpc import RpcClient, RpcSettings, wait_all, zmq_address
-from fluidps.executor.security import Security
-from fluidps.executor.task_reader import TaskReader
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.ps.gradients import GradientSum
+from fluidps.executor.ps.keepalive import Keepalive
+from fluidps.executor.tasks.coordinator import CoordinatorClient
+from fluidps.executor.tasks.task_reader import TaskReader
+from fluidps.executor.transport.rpc import RpcClient, RpcSettings, wait_all, zmq_address
+from fluidps.executor.transport.security import Security
+from fluidps.executor.transport.wire import Kind, Message
 from fluidps.ops.reader import ReaderSpec
 
 
@@ -274,7 +274,7 @@ class Runtime:
 
     def serve(self, op: Any, env: dict[str, Any]) -> None:
         """Run a pserver loop (listen_and_serv) until every trainer is done."""
-        from fluidps.executor.pserver import ParameterServer
+        from fluidps.executor.ps.parameter_server import ParameterServer
 
         server = ParameterServer(op, env, self)
         self.servers.append(server)

@@ -4,7 +4,7 @@ As in Fluid's reader design, the startup program creates the reader (a
 READER variable) and the main program's first op, `read`, fills the data
 variables with the next mini-batch each time the program runs, instead of
 the caller feeding them. Here the reader reads a sharded dataset task by
-task (fluidps.executor.task_reader): from the job's coordinator when it has
+task (fluidps.executor.tasks.task_reader): from the job's coordinator when it has
 one, from a queue in this process otherwise. When every pass is done, `read`
 raises EOFException.
 """

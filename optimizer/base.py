@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from fluidps.backward import append_backward
 from fluidps.errors import BuilderError
 from fluidps.initializer import Constant
 from fluidps.ir.operator import Operator
@@ -22,7 +23,6 @@ from fluidps.layers.guard import current_programs
 from fluidps.ops.roles import append_role_op
 from fluidps.optimizer.clip import GradientClipByGlobalNorm
 from fluidps.optimizer.regularizer import L2Decay, append_regularization
-from fluidps.transpiler.backward import append_backward
 
 
 class Optimizer:

@@ -10,7 +10,7 @@ import threading
 import time
 
 import fluidps
-from fluidps.executor.rpc import RpcSettings
+from fluidps.executor.transport.rpc import RpcSettings
 
 
 class PserverThreads:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import zmq
 
-from fluidps.executor.rpc import Request, RpcClient, RpcServer, RpcSettings, zmq_address
-from fluidps.executor.wire import Kind, Message, decode
+from fluidps.executor.transport.rpc import Request, RpcClient, RpcServer, RpcSettings, zmq_address
+from fluidps.executor.transport.wire import Kind, Message, decode
 
 TRANSPORTS = ["tcp", "ipc", "inproc"]
 # Alive peers get a generous timeout (a loaded machine must not look dead);

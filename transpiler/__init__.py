@@ -1,6 +1,6 @@
 """Program transformations: autodiff and the distribute transpiler."""
 
-from fluidps.transpiler.backward import append_backward
+from fluidps.backward import append_backward
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
 from fluidps.transpiler.plan import DistributedPlan, Slice

@@ -24,9 +24,9 @@ from fluidps.ops import verify
 from fluidps.transpiler.analysis import ProgramRoles, analyze
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.plan import DistributedPlan, Slice
-from fluidps.transpiler.pserver import build_pserver_programs
+from fluidps.transpiler.pserver_program import build_pserver_programs
 from fluidps.transpiler.slicing import dispatch, row_blocks
-from fluidps.transpiler.trainer import build_trainer_program, build_trainer_startup
+from fluidps.transpiler.trainer_program import build_trainer_program, build_trainer_startup
 
 
 def parse_endpoints(pservers: str | Sequence[str]) -> tuple[str, ...]:

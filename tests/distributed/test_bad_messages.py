@@ -22,10 +22,10 @@ import zmq
 import fluidps
 from fluidps import layers, optimizer
 from fluidps.errors import TransportError
-from fluidps.executor import wire_pb2 as pb
-from fluidps.executor.rpc import RpcClient, RpcSettings
 from fluidps.executor.runtime import settings_from_env
-from fluidps.executor.wire import Kind, Message, decode, encode
+from fluidps.executor.transport import wire_pb2 as pb
+from fluidps.executor.transport.rpc import RpcClient, RpcSettings
+from fluidps.executor.transport.wire import Kind, Message, decode, encode
 from fluidps.ir.types import VarType
 from fluidps.ops.selected_rows import SelectedRows
 from helpers import stop_group

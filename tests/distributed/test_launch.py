@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fluidps.errors import BuilderError
-from fluidps.executor.launcher import describe_exit, exit_status, job_environments, launch, pick_ports
+from fluidps.executor.launch.launcher import describe_exit, exit_status, job_environments, launch, pick_ports
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import fluidps
-from fluidps.executor.launcher import Launcher, job_environments, pick_ports
+from fluidps.executor.launch.launcher import Launcher, job_environments, pick_ports
 
 pytestmark = pytest.mark.timeout(240)
 

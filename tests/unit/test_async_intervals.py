@@ -23,7 +23,7 @@ from job_harness import PserverThreads
 
 import fluidps
 from fluidps import layers
-from fluidps.executor.rpc import RpcSettings
+from fluidps.executor.transport.rpc import RpcSettings
 from fluidps.ops.selected_rows import SelectedRows
 
 SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)

@@ -13,9 +13,9 @@ import pytest
 import zmq
 
 from fluidps.errors import RemoteError
-from fluidps.executor.coordinator import Coordinator
-from fluidps.executor.rpc import RpcClient, RpcSettings
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.tasks.coordinator import Coordinator
+from fluidps.executor.transport.rpc import RpcClient, RpcSettings
+from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import Dataset
 
 SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=30.0)

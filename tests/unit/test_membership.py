@@ -1,11 +1,11 @@
-"""Which trainers a pserver waits for (fluidps.executor.membership)."""
+"""Which trainers a pserver waits for (fluidps.executor.ps.membership)."""
 
 from __future__ import annotations
 
 import pytest
 
 from fluidps.errors import TransportError
-from fluidps.executor.membership import DONE, LIVE, LOST, PAUSED, Membership
+from fluidps.executor.ps.membership import DONE, LIVE, LOST, PAUSED, Membership
 
 A, B, C = 0xA1, 0xB2, 0xC3  # incarnations (message senders)
 

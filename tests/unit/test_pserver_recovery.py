@@ -20,8 +20,8 @@ import zmq
 from job_harness import PserverThreads
 
 import fluidps
-from fluidps.executor.rpc import RpcClient, RpcSettings
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.transport.rpc import RpcClient, RpcSettings
+from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io.checkpoints import merge_checkpoints, scan
 from helpers import build_mlp
 
@@ -304,7 +304,7 @@ def test_ssp_staleness_bounds_how_far_a_trainer_runs_ahead(staleness):
 def test_stats_over_the_wire_stay_compact_however_many_rows_arrive(monkeypatch):
     """STATS answers with counts always, and with the set of rows that arrived only while
     it is small: a long job's row log must not outgrow a message (or the pserver's memory)."""
-    from fluidps.executor import pserver as pserver_module
+    from fluidps.executor.ps import parameter_server as pserver_module
 
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = 2

@@ -8,7 +8,7 @@ import pytest
 
 import fluidps
 from fluidps.errors import BuilderError
-from fluidps.executor.roles import RoleInfo, format_endpoint, parse_endpoints, role_from_env
+from fluidps.executor.launch.env import RoleInfo, format_endpoint, parse_endpoints, role_from_env
 
 EPS = "127.0.0.1:6170,127.0.0.1:6171"
 

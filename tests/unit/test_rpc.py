@@ -15,8 +15,8 @@ import pytest
 from rpc_harness import FAST, SLACK, endpoint_for, lose_requests, receive_until, recv
 
 from fluidps.errors import RemoteError, TransportError
-from fluidps.executor.rpc import Request, RpcClient, zmq_address
-from fluidps.executor.wire import Kind, Message, decode, encode
+from fluidps.executor.transport.rpc import Request, RpcClient, zmq_address
+from fluidps.executor.transport.wire import Kind, Message, decode, encode
 
 # -- request / reply -----------------------------------------------------------------------
 

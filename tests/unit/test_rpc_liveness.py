@@ -15,8 +15,8 @@ import zmq
 from rpc_harness import DEAD, FAST, SLACK, TRANSPORTS, endpoint_for, lose_requests, recv
 
 from fluidps.errors import PeerLostError, RemoteError, TransportError
-from fluidps.executor.rpc import wait_all
-from fluidps.executor.wire import Kind, Message, encode
+from fluidps.executor.transport.rpc import wait_all
+from fluidps.executor.transport.wire import Kind, Message, encode
 
 # -- dead peers, restarts, timeouts --------------------------------------------------------
 

@@ -18,10 +18,10 @@ from rpc_harness import Net
 
 import fluidps
 from fluidps.errors import ExecutionError, PeerLostError, RemoteError, TransportError
-from fluidps.executor.rpc import RpcSettings
 from fluidps.executor.runtime import GradientQueue, Runtime, settings_from_env
-from fluidps.executor.security import Security, generate_keys
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.transport.rpc import RpcSettings
+from fluidps.executor.transport.security import Security, generate_keys
+from fluidps.executor.transport.wire import Kind, Message
 from helpers import build_mlp
 
 # Generous for live peers on a loaded machine; the dead-pserver test uses DEAD.

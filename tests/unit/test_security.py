@@ -14,9 +14,9 @@ import pytest
 import zmq
 
 from fluidps.errors import PeerLostError, TransportError
-from fluidps.executor.rpc import RpcClient, RpcServer, RpcSettings
-from fluidps.executor.security import Security, check_bind, generate_keys, is_loopback
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.transport.rpc import RpcClient, RpcServer, RpcSettings
+from fluidps.executor.transport.security import Security, check_bind, generate_keys, is_loopback
+from fluidps.executor.transport.wire import Kind, Message
 
 FAST = RpcSettings(heartbeat_interval=0.1, peer_timeout=10.0, request_timeout=30.0)
 DEAD = FAST.with_(peer_timeout=1.0)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fluidps.errors import Error
-from fluidps.executor.task_queue import Lease, QueueConfig, TaskQueue
+from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
 from fluidps.io.dataset import Task
 
 

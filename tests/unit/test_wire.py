@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fluidps.errors import WireError
-from fluidps.executor import wire_pb2 as pb
-from fluidps.executor.wire import ALLOWED_DTYPES, MAX_DIM, MAX_DIMS, Kind, Message, decode, encode
+from fluidps.executor.transport import wire_pb2 as pb
+from fluidps.executor.transport.wire import ALLOWED_DTYPES, MAX_DIM, MAX_DIMS, Kind, Message, decode, encode
 from fluidps.ir.types import VarType, to_numpy_dtype
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -324,7 +324,7 @@ FORBIDDEN_ATTRIBUTES = {"recv_pyobj", "send_pyobj", "recv_serialized", "loads_pi
 
 def test_executor_uses_no_pickle_recv_pyobj_or_eval():
     problems = []
-    files = sorted(p for p in EXECUTOR.glob("*.py") if p.name != "wire_pb2.py")
+    files = sorted(p for p in EXECUTOR.rglob("*.py") if p.name != "wire_pb2.py")
     assert any(p.name == "rpc.py" for p in files)
     for path in files:
         source = path.read_text()

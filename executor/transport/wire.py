@@ -20,7 +20,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from fluidps.errors import WireError
-from fluidps.executor import wire_pb2 as pb
+from fluidps.executor.transport import wire_pb2 as pb
 from fluidps.ir.types import VarType, to_numpy_dtype, to_vartype
 from fluidps.ops.selected_rows import SelectedRows
 

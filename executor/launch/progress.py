@@ -13,8 +13,8 @@ import zmq
 from tqdm import tqdm
 
 from fluidps.errors import TransportError
-from fluidps.executor.rpc import RpcClient, RpcSettings
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.transport.rpc import RpcClient, RpcSettings
+from fluidps.executor.transport.wire import Kind, Message
 
 
 class CoordinatorWatch:

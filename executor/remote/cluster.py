@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 import zmq
 
 from fluidps.errors import Error, TransportError
-from fluidps.executor.rpc import RpcClient, RpcSettings, wait_all
-from fluidps.executor.server_process import ServerProcess, kill_all
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.launch.processes import ServerProcess, kill_all
+from fluidps.executor.transport.rpc import RpcClient, RpcSettings, wait_all
+from fluidps.executor.transport.wire import Kind, Message
 
 if TYPE_CHECKING:
-    from fluidps.executor.remote import JobDesc
+    from fluidps.executor.remote.remote_executor import JobDesc
 
 
 @dataclass

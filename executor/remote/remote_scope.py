@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fluidps.errors import ExecutionError
-from fluidps.executor.rpc import wait_all
 from fluidps.executor.scope import Scope, Value, as_value
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.transport.rpc import wait_all
+from fluidps.executor.transport.wire import Kind, Message
 
 if TYPE_CHECKING:
-    from fluidps.executor.remote import Deployment
+    from fluidps.executor.remote.remote_executor import Deployment
 
 
 class RemoteScope:

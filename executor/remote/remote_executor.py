@@ -39,14 +39,14 @@ from typing import Any
 import numpy as np
 
 from fluidps.errors import BuilderError, EOFException, Error, ExecutionError, UnsupportedError
-from fluidps.executor.cluster import JobServers
 from fluidps.executor.executor import Executor, FetchTarget, _fetch_name
-from fluidps.executor.remote_scope import RemoteScope
-from fluidps.executor.rpc import RpcClient, RpcSettings, wait_all
+from fluidps.executor.remote.cluster import JobServers
+from fluidps.executor.remote.executor_server import REFRESH
+from fluidps.executor.remote.remote_scope import RemoteScope
 from fluidps.executor.scope import Scope
-from fluidps.executor.security import Security
-from fluidps.executor.server import REFRESH
-from fluidps.executor.wire import Kind, Message, json_fields
+from fluidps.executor.transport.rpc import RpcClient, RpcSettings, wait_all
+from fluidps.executor.transport.security import Security
+from fluidps.executor.transport.wire import Kind, Message, json_fields
 from fluidps.ir.program import Program
 from fluidps.ir.types import OpRole
 from fluidps.ops.selected_rows import SelectedRows

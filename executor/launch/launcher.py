@@ -1,7 +1,7 @@
 """Run a parameter-server job on one machine: N pservers and M trainers of one script.
 
 Every process runs `python script.py args` with the environment contract of
-`fluidps.executor.roles` and lives in its own process group, so stopping it also
+`fluidps.executor.launch.env` and lives in its own process group, so stopping it also
 stops whatever it started. Its output comes back line by line, prefixed with
 "[pserver.0] " / "[trainer.1] ". The job ends when
 
@@ -12,7 +12,7 @@ stops whatever it started. Its output comes back line by line, prefixed with
 - the launcher gets SIGINT / SIGTERM / SIGHUP: the processes are stopped, status 128 + signal.
 
 With a dataset, the job is fault tolerant instead: see DatasetLauncher
-(fluidps.executor.dataset_launcher).
+(fluidps.executor.launch.dataset_launcher).
 
 Whatever happens, every process is stopped and reaped before `run()` returns.
 """
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from fluidps.errors import BuilderError
-from fluidps.executor.roles import CONTRACT_VARS, format_endpoint
-from fluidps.executor.server_process import thread_limits
+from fluidps.executor.launch.env import CONTRACT_VARS, format_endpoint
+from fluidps.executor.launch.processes import thread_limits
 from fluidps.transpiler.config import MODES
 
 POLL_S = 0.05

@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 
 from fluidps.errors import Error, ExecutionError, TransportError
-from fluidps.executor import gradients
 from fluidps.executor.block_runner import BlockRunner, LayeredEnv
-from fluidps.executor.membership import DONE, Membership
-from fluidps.executor.pserver_checkpoints import Checkpointer
-from fluidps.executor.rpc import Request, RpcServer
-from fluidps.executor.wire import Kind, Message
+from fluidps.executor.ps import gradients
+from fluidps.executor.ps.checkpointer import Checkpointer
+from fluidps.executor.ps.membership import DONE, Membership
+from fluidps.executor.transport.rpc import Request, RpcServer
+from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
 from fluidps.ir.types import DISTRIBUTED_MODES
 from fluidps.ops.kernel import RUNTIME_KEY

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from fluidps.errors import BuilderError, DatasetError
-from fluidps.executor.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
-from fluidps.executor.launcher import POLL_S, Child, Launcher, describe_exit, exit_status
-from fluidps.executor.progress import CoordinatorWatch, ProgressBar
-from fluidps.executor.roles import CONTRACT_VARS, format_endpoint
-from fluidps.executor.rpc import RpcSettings
-from fluidps.executor.server_process import thread_limits
+from fluidps.executor.launch.env import CONTRACT_VARS, format_endpoint
+from fluidps.executor.launch.launcher import POLL_S, Child, Launcher, describe_exit, exit_status
+from fluidps.executor.launch.processes import thread_limits
+from fluidps.executor.launch.progress import CoordinatorWatch, ProgressBar
+from fluidps.executor.tasks.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
+from fluidps.executor.transport.rpc import RpcSettings
 from fluidps.io.dataset import Dataset
 
 

@@ -20,8 +20,8 @@ import zmq
 
 from fluidps.errors import EOFException, Error, NoDataYet
 from fluidps.executor.executor import Executor
-from fluidps.executor.rpc import Request, RpcServer, RpcSettings
-from fluidps.executor.wire import Kind, Message, json_fields
+from fluidps.executor.transport.rpc import Request, RpcServer, RpcSettings
+from fluidps.executor.transport.wire import Kind, Message, json_fields
 from fluidps.ir.program import Program
 
 # The program a trainer runs after skipping a step: its startup's recv, without readers.

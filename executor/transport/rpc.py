@@ -21,8 +21,8 @@ from typing import Any
 import zmq
 
 from fluidps.errors import PeerLostError, RemoteError, TransportError, WireError
-from fluidps.executor.security import Security, check_bind
-from fluidps.executor.wire import Kind, Message, decode, encode
+from fluidps.executor.transport.security import Security, check_bind
+from fluidps.executor.transport.wire import Kind, Message, decode, encode
 
 # Replies the server keeps per client for repeated requests.
 _REPLY_CACHE = 32

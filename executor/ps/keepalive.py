@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import zmq
 
-from fluidps.executor.rpc import RpcSettings, connect_dealer
-from fluidps.executor.wire import Kind, Message, encode
+from fluidps.executor.transport.rpc import RpcSettings, connect_dealer
+from fluidps.executor.transport.wire import Kind, Message, encode
 
 
 class Keepalive:

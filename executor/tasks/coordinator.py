@@ -25,9 +25,9 @@ from typing import Any
 import zmq
 
 from fluidps.errors import Error, PeerLostError, RemoteError, TransportError
-from fluidps.executor.rpc import Request, RpcClient, RpcServer, RpcSettings
-from fluidps.executor.task_queue import Lease, QueueConfig, TaskQueue
-from fluidps.executor.wire import OPTIONAL_FLOAT, Kind, Message, json_fields
+from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
+from fluidps.executor.transport.rpc import Request, RpcClient, RpcServer, RpcSettings
+from fluidps.executor.transport.wire import OPTIONAL_FLOAT, Kind, Message, json_fields
 from fluidps.io.atomic import write_atomic
 from fluidps.io.dataset import Dataset
 

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from fluidps.errors import DatasetError, EOFException, Error, NoDataYet
-from fluidps.executor.coordinator import CoordinatorClient
-from fluidps.executor.task_queue import Lease, QueueConfig, TaskQueue
-from fluidps.executor.wire import Kind, json_fields
+from fluidps.executor.tasks.coordinator import CoordinatorClient
+from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
+from fluidps.executor.transport.wire import Kind, json_fields
 from fluidps.io.dataset import Dataset
 from fluidps.ops.reader import ReaderSpec
 
