@@ -75,9 +75,6 @@ class Scope:
     def __len__(self) -> int:
         return len(self._vars)
 
-    def local_names(self) -> list[str]:
-        return list(self._vars)
-
     def new_scope(self) -> Scope:
         return Scope(self)
 

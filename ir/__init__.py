@@ -1,4 +1,7 @@
-"""The program IR: the Fluid ProgramDesc wire format and its Python objects."""
+"""The program IR: the Fluid ProgramDesc wire format and its Python objects.
+
+May import: fluidps.errors
+"""
 
 from fluidps.ir.operator import Operator
 from fluidps.ir.program import Block, Program

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from fluidps.errors import ProgramError
 from fluidps.ir.attrs import infer_attr_type, normalize_attr
+from fluidps.ir.tracked import TouchOnAssign
 from fluidps.ir.types import AttrType
 
 if TYPE_CHECKING:
@@ -35,13 +36,21 @@ def _slots(mapping: Mapping[str, SlotArgs] | None) -> dict[str, list[str]]:
     return {slot: arg_names(args) for slot, args in (mapping or {}).items()}
 
 
-class Operator:
+class Operator(TouchOnAssign):
     """An op in a block: `type`, named input and output slots, typed attributes.
 
     Slots map a slot name (`X`, `Out@GRAD`) to a list of variable names; an
     absent or empty slot means "not given". Attributes keep their AttrType so
-    they serialize exactly as they were declared or parsed.
+    they serialize exactly as they were declared or parsed. The setters, and
+    assigning `type` or `is_target`, are edits of the program (its `revision` grows).
     """
+
+    _OWNER_ATTR = "block"
+
+    block: Block | None
+    type: str
+    is_target: bool
+    _attrs: dict[str, tuple[AttrType, Any]]
 
     def __init__(
         self,
@@ -54,14 +63,17 @@ class Operator:
     ):
         if not isinstance(type, str) or not type:
             raise ProgramError(f"op type must be a non-empty string, got {type!r}")
-        self.block = block
-        self.type = type
-        self._inputs = _slots(inputs)
-        self._outputs = _slots(outputs)
-        self._attrs: dict[str, tuple[AttrType, Any]] = {}
-        self.is_target = False
-        # Serialized OpDesc fields fluidps does not model, kept for round trips.
-        self._extra = b""
+        # Into __dict__, past __setattr__: building an op is no edit (see TouchOnAssign).
+        self.__dict__.update(
+            block=block,
+            type=type,
+            is_target=False,
+            _inputs=_slots(inputs),
+            _outputs=_slots(outputs),
+            _attrs={},
+            # Serialized OpDesc fields fluidps does not model, kept for round trips.
+            _extra=b"",
+        )
         types = dict(attr_types or {})
         for name, value in (attrs or {}).items():
             self._put_attr(name, value, types.get(name))
@@ -115,11 +127,6 @@ class Operator:
             args[:] = [new if a == old else a for a in args]
         self._touch()
 
-    def rename_output(self, old: str, new: str) -> None:
-        for args in self._outputs.values():
-            args[:] = [new if a == old else a for a in args]
-        self._touch()
-
     # -- attributes ----------------------------------------------------------------------
 
     @property
@@ -147,10 +154,6 @@ class Operator:
         """Set an attribute. Its type is `attr_type`, else the type it already has,
         else the type its Python value implies."""
         self._put_attr(name, value, attr_type)
-        self._touch()
-
-    def remove_attr(self, name: str) -> None:
-        self._attrs.pop(name, None)
         self._touch()
 
     def block_attr(self, name: str) -> Block:
@@ -193,13 +196,15 @@ class Operator:
 
     def _copy_to(self, block: Block) -> Operator:
         clone = Operator.__new__(Operator)
-        clone.block = block
-        clone.type = self.type
-        clone._inputs = {k: list(v) for k, v in self._inputs.items()}
-        clone._outputs = {k: list(v) for k, v in self._outputs.items()}
-        clone._attrs = {k: (t, list(v) if isinstance(v, list) else v) for k, (t, v) in self._attrs.items()}
-        clone.is_target = self.is_target
-        clone._extra = self._extra
+        clone.__dict__.update(
+            block=block,
+            type=self.type,
+            _inputs={k: list(v) for k, v in self._inputs.items()},
+            _outputs={k: list(v) for k, v in self._outputs.items()},
+            _attrs={k: (t, list(v) if isinstance(v, list) else v) for k, (t, v) in self._attrs.items()},
+            is_target=self.is_target,
+            _extra=self._extra,
+        )
         return clone
 
     def __repr__(self) -> str:

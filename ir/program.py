@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from fluidps.errors import ProgramError
 from fluidps.ir.operator import Operator, SlotArgs
+from fluidps.ir.tracked import TouchOnAssign, TrackedDict, TrackedList
 from fluidps.ir.types import AttrType, OpRole, VarType, to_vartype
 from fluidps.ir.unique_name import UniqueNameGenerator
 from fluidps.ir.variable import Parameter, Variable
@@ -14,18 +15,52 @@ from fluidps.ir.variable import Parameter, Variable
 ROOT_PARENT = -1  # parent_idx of block 0, as Fluid writes it
 
 
-class Block:
-    """A list of ops and the variables they declare; sub-blocks see their parents' variables."""
+class Block(TouchOnAssign):
+    """A list of ops and the variables they declare; sub-blocks see their parents' variables.
+
+    `ops` and `vars` are a list and a dict that report their edits to the program;
+    assigning one (`block.ops = [...]`) copies the items into a new tracked container.
+    Assigning `idx`, `parent_idx` or `forward_block_idx` is an edit too.
+    """
+
+    _OWNER_ATTR = "program"
+
+    program: Program
+    idx: int
+    parent_idx: int
+    forward_block_idx: int
 
     def __init__(self, program: Program, idx: int, parent_idx: int = ROOT_PARENT):
-        self.program = program
-        self.idx = idx
-        self.parent_idx = parent_idx
-        self.forward_block_idx = -1
-        self.vars: dict[str, Variable] = {}
-        self.ops: list[Operator] = []
-        # Serialized BlockDesc fields fluidps does not model, kept for round trips.
-        self._extra = b""
+        # Into __dict__, past __setattr__: building a block is no edit (see TouchOnAssign).
+        self.__dict__.update(
+            program=program,
+            idx=idx,
+            parent_idx=parent_idx,
+            forward_block_idx=-1,
+            _vars=TrackedDict((), self._touch),
+            _ops=TrackedList((), self._touch),
+            # Serialized BlockDesc fields fluidps does not model, kept for round trips.
+            _extra=b"",
+        )
+
+    @property
+    def ops(self) -> TrackedList[Operator]:
+        return self._ops
+
+    @ops.setter
+    def ops(self, ops: Iterable[Operator]) -> None:
+        self._ops = TrackedList(ops, self._touch)  # __setattr__, which called this, reports the edit
+
+    @property
+    def vars(self) -> TrackedDict[str, Variable]:
+        return self._vars
+
+    @vars.setter
+    def vars(self, vars: Mapping[str, Variable]) -> None:
+        self._vars = TrackedDict(vars, self._touch)
+
+    def _touch(self) -> None:
+        self.program._touch()
 
     @property
     def parent_block(self) -> Block | None:
@@ -37,9 +72,10 @@ class Block:
 
     def var(self, name: str) -> Variable:
         """The variable `name` declared in this block (not its parents)."""
-        if name not in self.vars:
+        var = self.vars.get(name)
+        if var is None:
             raise ProgramError(f"block {self.idx} has no variable {name!r}")
-        return self.vars[name]
+        return var
 
     def has_var(self, name: str) -> bool:
         return name in self.vars
@@ -49,8 +85,9 @@ class Block:
         block: Block | None = self
         seen = set()
         while block is not None and block.idx not in seen:
-            if name in block.vars:
-                return block.vars[name]
+            var = block.vars.get(name)
+            if var is not None:
+                return var
             seen.add(block.idx)
             block = block.parent_block
         return None
@@ -121,12 +158,10 @@ class Block:
     def remove_var(self, name: str) -> None:
         self.var(name)
         del self.vars[name]
-        self.program._touch()
 
     def _add_var(self, var: Variable) -> Variable:
         self.vars[var.name] = var
         self.program._names.reserve(var.name)
-        self.program._touch()
         return var
 
     def _reuse(self, var: Variable, shape: Any, dtype: VarType | None, type: VarType) -> Variable:
@@ -144,7 +179,11 @@ class Block:
 
     # -- ops -----------------------------------------------------------------------------
 
-    def append_op(
+    # Ops are built with `fluidps.op_registry.append_op(block, ...)` (or the layers),
+    # which checks them against their schema and infers output shapes. `ir` cannot
+    # import the op definitions, so the unchecked constructors below stay internal.
+
+    def _append_op_unchecked(
         self,
         type: str,
         inputs: Mapping[str, SlotArgs] | None = None,
@@ -152,12 +191,13 @@ class Block:
         attrs: Mapping[str, Any] | None = None,
         attr_types: Mapping[str, AttrType] | None = None,
     ) -> Operator:
-        return self.insert_op(len(self.ops), type, inputs, outputs, attrs, attr_types)
+        """Append an op without any check: not its slots, attributes or shapes, not even
+        that its type exists. For the parser, passes that copy ops verbatim, and tests
+        that build deliberately invalid programs; everything else uses
+        `fluidps.op_registry.append_op`."""
+        return self._insert_op_unchecked(len(self.ops), type, inputs, outputs, attrs, attr_types)
 
-    def prepend_op(self, type: str, inputs=None, outputs=None, attrs=None, attr_types=None) -> Operator:
-        return self.insert_op(0, type, inputs, outputs, attrs, attr_types)
-
-    def insert_op(
+    def _insert_op_unchecked(
         self,
         index: int,
         type: str,
@@ -166,17 +206,17 @@ class Block:
         attrs: Mapping[str, Any] | None = None,
         attr_types: Mapping[str, AttrType] | None = None,
     ) -> Operator:
-        """Insert a new op before position `index` (len(ops) appends)."""
+        """`_append_op_unchecked` before position `index` (0 prepends)."""
         return self._insert_operator(index, Operator(self, type, inputs, outputs, attrs, attr_types))
 
     def _insert_operator(self, index: int, op: Operator) -> Operator:
+        """Put a built op at `index`; `fluidps.op_registry.append_op` ends here."""
         if not 0 <= index <= len(self.ops):
             raise ProgramError(
                 f"block {self.idx}: cannot insert an op at {index}; it has {len(self.ops)} ops"
             )
         op.block = self
         self.ops.insert(index, op)
-        self.program._touch()
         return op
 
     def remove_op(self, index: int) -> Operator:
@@ -185,30 +225,60 @@ class Block:
             raise ProgramError(f"block {self.idx}: no op at {index}; it has {len(self.ops)} ops")
         op = self.ops.pop(index)
         op.block = None
-        self.program._touch()
         return op
 
     def __repr__(self) -> str:
         return f"Block({self.idx}, parent={self.parent_idx}, {len(self.vars)} vars, {len(self.ops)} ops)"
 
 
-class Program:
+class Program(TouchOnAssign):
     """A whole program: block 0 is the global block; others are sub-blocks.
 
-    `revision` counts the edits made through this API, so caches (the
-    executor's prepared programs) can tell when a program changed.
     `format_version` is `ProgramDesc.version`, the Paddle release that wrote it.
+    `revision` tells caches (the executor's prepared programs) when the program
+    changed: see its docstring for what it covers.
     """
 
+    random_seed: int
+    format_version: int
+
     def __init__(self) -> None:
-        self.blocks: list[Block] = []
-        self.random_seed = 0
-        self.format_version = 0
-        self.revision = 0
-        self._names = UniqueNameGenerator()
-        self._current_block_idx = 0
-        self._extra = b""
-        self.blocks.append(Block(self, 0))
+        # Into __dict__, past __setattr__: building a program is no edit (see TouchOnAssign).
+        self.__dict__.update(
+            random_seed=0,
+            format_version=0,
+            _revision=0,
+            _names=UniqueNameGenerator(),
+            _current_block_idx=0,
+            _extra=b"",
+            _blocks=TrackedList([Block(self, 0)], self._touch),
+        )
+
+    @property
+    def revision(self) -> int:
+        """A number that grows with every edit of this program, so a cache keyed by
+        (program, revision) never serves an older content of it.
+
+        Edits that bump it: the Program, Block and Operator methods; every mutating
+        call on `program.blocks` and on a block's `ops` and `vars`; assigning a public
+        attribute of the program, of a block, or of a variable or op in it
+        (`var.shape = ...`, `op.type = ...`, `block.ops = [...]`, `program.random_seed
+        = ...`). It may also grow when nothing changed (a field assigned its own
+        value). Not seen: edits of private state (`op._attrs`), of Python objects a
+        field holds (a Parameter's initializer), and of an op or variable put into
+        another program's containers as is: it reports to the program its `block`
+        names (`_copy_to` makes a copy that belongs). A clone or a parsed program
+        starts at 0: it is a new object, with cache entries of its own.
+        """
+        return self._revision
+
+    @property
+    def blocks(self) -> TrackedList[Block]:
+        return self._blocks
+
+    @blocks.setter
+    def blocks(self, blocks: Iterable[Block]) -> None:
+        self._blocks = TrackedList(blocks, self._touch)  # __setattr__, which called this, reports the edit
 
     # -- blocks --------------------------------------------------------------------------
 
@@ -236,7 +306,6 @@ class Program:
         block = Block(self, len(self.blocks), parent)
         self.blocks.append(block)
         self._current_block_idx = block.idx
-        self._touch()
         return block
 
     def rollback(self) -> None:
@@ -263,24 +332,24 @@ class Program:
         """A deep copy. `for_test=True` also drops backward, optimizer and
         learning-rate ops (and the variables only they used) and sets `is_test`
         on ops that have it, giving the program to evaluate with."""
-        clone = Program.__new__(Program)
+        clone = Program()
         clone.random_seed = self.random_seed
         clone.format_version = self.format_version
-        clone.revision = 0
         clone._names = self._names.copy()
-        clone._current_block_idx = 0
         clone._extra = self._extra
-        clone.blocks = []
+        blocks = []
         for block in self.blocks:
             copy = Block(clone, block.idx, block.parent_idx)
             copy.forward_block_idx = block.forward_block_idx
             copy._extra = block._extra
             copy.vars = {name: var._copy_to(copy) for name, var in block.vars.items()}
             copy.ops = [op._copy_to(copy) for op in block.ops]
-            clone.blocks.append(copy)
+            blocks.append(copy)
+        clone.blocks = blocks
         if for_test:
             for block in clone.blocks:
                 _prune_to_forward(block)
+        clone._revision = 0  # building it was no edit
         return clone
 
     @staticmethod
@@ -297,7 +366,8 @@ class Program:
         return serialize_program(self)
 
     def _touch(self) -> None:
-        self.revision += 1
+        # Past __setattr__: every edit of the program comes through here.
+        self.__dict__["_revision"] += 1
 
     def __str__(self) -> str:
         from fluidps.ir.printer import program_to_text

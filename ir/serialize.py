@@ -52,29 +52,32 @@ def program_from_proto(msg: pb.ProgramDesc) -> Program:
     if not msg.blocks:
         raise ProgramParseError("ProgramDesc has no blocks (is this really a program file?)")
     program = Program()
-    program.blocks = []
+    blocks = []
     for i, b in enumerate(msg.blocks):
         if b.HasField("idx") and b.idx != i:
             raise ProgramParseError(f"block at position {i} says its idx is {b.idx}")
         default_parent = -1 if i == 0 else 0
         block = Block(program, i, b.parent_idx if b.HasField("parent_idx") else default_parent)
         block.forward_block_idx = b.forward_block_idx
-        program.blocks.append(block)
+        blocks.append(block)
+        # Filled as plain containers and handed over once: each tracked mutation costs a call.
+        variables: dict[str, Variable] = {}
         for v in b.vars:
             var = _var_from_proto(block, v)
-            if var.name in block.vars:
+            if var.name in variables:
                 raise ProgramParseError(f"block {i} declares variable {var.name!r} twice")
-            block.vars[var.name] = var
+            variables[var.name] = var
             program._names.reserve(var.name)
-        for j, o in enumerate(b.ops):
-            block.ops.append(_op_from_proto(block, o, f"block {i}, op {j}"))
+        block.vars = variables
+        block.ops = [_op_from_proto(block, o, f"block {i}, op {j}") for j, o in enumerate(b.ops)]
         block._extra = _residual(b, ["idx", "parent_idx", "vars", "ops", "forward_block_idx"])
+    program.blocks = blocks
     if msg.HasField("version"):
         program.format_version = msg.version.version
     program._extra = _residual(msg, ["blocks", "version"])
     if not any(v.is_parameter for v in program.list_vars()):
         _mark_fluid1_parameters(program)
-    program.revision = 0
+    program._revision = 0  # a parsed program is a new one, not an edited one
     return program
 
 

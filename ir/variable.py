@@ -4,19 +4,33 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fluidps.ir.tracked import TouchOnAssign
 from fluidps.ir.types import TENSOR_KINDS, VarType, dtype_name
 
 if TYPE_CHECKING:
     from fluidps.ir.program import Block
 
 
-class Variable:
+class Variable(TouchOnAssign):
     """A named value declared in a block.
 
     `shape` uses -1 for a dimension not known until run time (usually the
     batch); `dtype` is the element type of tensor kinds (None for others).
     `stop_gradient` tells autodiff not to propagate through the variable.
+    Assigning any of these is an edit of the program (its `revision` grows).
     """
+
+    _OWNER_ATTR = "block"
+
+    block: Block
+    name: str
+    type: VarType
+    dtype: VarType | None
+    shape: tuple[int, ...] | None
+    lod_level: int
+    persistable: bool
+    stop_gradient: bool
+    need_check_feed: bool
 
     def __init__(
         self,
@@ -31,17 +45,20 @@ class Variable:
         stop_gradient: bool = False,
         need_check_feed: bool = False,
     ):
-        self.block = block
-        self.name = name
-        self.type = VarType(type)
-        self.dtype = None if dtype is None else VarType(dtype)
-        self.shape: tuple[int, ...] | None = None if shape is None else tuple(int(d) for d in shape)
-        self.lod_level = int(lod_level)
-        self.persistable = bool(persistable)
-        self.stop_gradient = bool(stop_gradient)
-        self.need_check_feed = bool(need_check_feed)
-        # Serialized VarDesc fields fluidps does not model, kept for round trips.
-        self._extra = b""
+        # Into __dict__, past __setattr__: building a variable is no edit (see TouchOnAssign).
+        self.__dict__.update(
+            block=block,
+            name=name,
+            type=VarType(type),
+            dtype=None if dtype is None else VarType(dtype),
+            shape=None if shape is None else tuple(int(d) for d in shape),
+            lod_level=int(lod_level),
+            persistable=bool(persistable),
+            stop_gradient=bool(stop_gradient),
+            need_check_feed=bool(need_check_feed),
+            # Serialized VarDesc fields fluidps does not model, kept for round trips.
+            _extra=b"",
+        )
 
     @property
     def is_tensor(self) -> bool:
@@ -54,9 +71,12 @@ class Variable:
 
     def _copy_to(self, block: Block) -> Variable:
         clone = Variable.__new__(type(self))
-        clone.__dict__.update(self.__dict__)
-        clone.block = block
+        clone.__dict__.update(self.__dict__, block=block)
         return clone
+
+    def _touch(self) -> None:
+        if self.block is not None:
+            self.block.program._touch()
 
     def __repr__(self) -> str:
         kind = "" if self.type == VarType.LOD_TENSOR else f", {self.type.name}"
@@ -100,11 +120,13 @@ class Parameter(Variable):
             persistable=True,
             stop_gradient=(not trainable) if stop_gradient is None else stop_gradient,
         )
-        self.trainable = bool(trainable)
-        self.initializer = initializer
-        self.regularizer = regularizer
-        self.learning_rate = float(learning_rate)
-        self.gradient_clip = gradient_clip
+        self.__dict__.update(
+            trainable=bool(trainable),
+            initializer=initializer,
+            regularizer=regularizer,
+            learning_rate=float(learning_rate),
+            gradient_clip=gradient_clip,
+        )
 
     @property
     def is_parameter(self) -> bool:

@@ -1,9 +1,10 @@
 """`verify`: the invariants every program must hold, checked against op schemas.
 
-Like FX's `lint()`, it is run by tests, after every pass, and by
-`fluidps inspect --check`. It collects every problem instead of stopping at
-the first, and each message names the block, the op index and type, and the
-variable or attribute concerned.
+Like FX's `lint()`, it is run by tests, by `DistributeTranspiler.transpile` (on
+its input programs and on every program it produces) and by `fluidps inspect
+--check`; the builder and the other passes do not call it. It collects every
+problem instead of stopping at the first, and each message names the block, the
+op index and type, and the variable or attribute concerned.
 """
 
 from __future__ import annotations

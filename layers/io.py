@@ -13,6 +13,7 @@ from fluidps.io.dataset import Dataset
 from fluidps.ir.types import VarType, to_numpy_dtype, to_vartype
 from fluidps.ir.variable import Variable
 from fluidps.layers.guard import current_programs
+from fluidps.ops import REGISTRY
 
 
 def data(
@@ -112,6 +113,6 @@ def dataset_reader(
         "seed": seed,
         "drop_last": drop_last,
     }
-    startup.global_block().append_op("create_dataset_reader", {}, {"Out": [name]}, attrs)
-    block.prepend_op("read", {"Reader": [name]}, {"Out": [v.name for v in feed_list]})
+    REGISTRY.append_op(startup.global_block(), "create_dataset_reader", {}, {"Out": [name]}, attrs)
+    REGISTRY.append_op(block, "read", {"Reader": [name]}, {"Out": [v.name for v in feed_list]}, index=0)
     return block.var(name)

@@ -1,7 +1,10 @@
-"""Op definitions (and, from the execution issue on, their kernels).
+"""The ops: one module per family holds its definitions (slots, attributes, shape
+inference, grad makers) and its numba kernels; `all_ops` lists the modules.
 
-`REGISTRY` maps every op type to its schema; `verify(program)` checks a
-program against it.
+`REGISTRY` maps every op type to its schema and kernel builder, and appends
+checked ops (`REGISTRY.append_op`); `verify(program)` checks a program against it.
+
+May import: fluidps.errors, fluidps.ir
 """
 
 from __future__ import annotations

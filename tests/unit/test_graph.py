@@ -28,9 +28,10 @@ def test_sub_blocks_become_clusters_linked_to_their_op():
     block.create_var("x", shape=[1], dtype="float32")
     sub = program.create_block()
     sub.create_var("y", shape=[1], dtype="float32")
-    sub.append_op("relu", {"X": "x"}, {"Out": "y"})
+    fluidps.op_registry.append_op(sub, "relu", {"X": "x"}, {"Out": "y"})
     program.rollback()
-    block.append_op(
+    # fluidps does not define conditional_block: only a raw op can stand for it.
+    block._append_op_unchecked(
         "conditional_block", {"Input": "x"}, {}, {"sub_block": sub}, {"sub_block": AttrType.BLOCK}
     )
     graph = to_networkx(program)
@@ -50,7 +51,7 @@ def test_inspect_text_shows_sub_block_references():
     program = fluidps.Program()
     sub = program.create_block()
     program.rollback()
-    program.global_block().append_op("while", attrs={"sub_block": sub, "blocks": [sub]})
+    program.global_block()._append_op_unchecked("while", attrs={"sub_block": sub, "blocks": [sub]})
     text = program_to_text(program)
     assert "block 1 (parent: 0): 0 variables, 0 ops" in text
     assert "sub_block=block 1" in text and "blocks=blocks [1]" in text

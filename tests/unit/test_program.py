@@ -58,7 +58,10 @@ def test_create_var_is_idempotent_but_checks_contradictions():
 def test_operator_slots_and_attributes():
     block = fluidps.Program().global_block()
     x = block.create_var("x", shape=[2, 3], dtype="float32")
-    op = block.append_op("scale", {"X": x}, {"Out": ["y"]}, {"scale": 0.1, "bias_after_scale": True})
+    # The Operator object itself, so a raw op: no defaults filled, no schema checks.
+    op = block._append_op_unchecked(
+        "scale", {"X": x}, {"Out": ["y"]}, {"scale": 0.1, "bias_after_scale": True}
+    )
     assert op.input("X") == ["x"] and op.output("Out") == ["y"]
     assert op.input_names == ["X"] and op.output_names == ["Out"]
     assert op.input("Missing") == []
@@ -87,11 +90,16 @@ def test_operator_slots_and_attributes():
 def test_insert_remove_and_revision():
     program = fluidps.Program()
     block = program.global_block()
+    for name in ("x", "a", "b", "c"):
+        block.create_var(name, shape=[2], dtype="float32")
     start = program.revision
-    a = block.append_op("assign", {"X": ["x"]}, {"Out": ["a"]})
-    b = block.prepend_op("assign", {"X": ["x"]}, {"Out": ["b"]})
-    c = block.insert_op(1, "assign", {"X": ["x"]}, {"Out": ["c"]})
+    append_op = fluidps.op_registry.append_op
+    a = append_op(block, "assign", {"X": ["x"]}, {"Out": ["a"]})
+    b = append_op(block, "assign", {"X": ["x"]}, {"Out": ["b"]}, index=0)
+    c = append_op(block, "assign", {"X": ["x"]}, {"Out": ["c"]}, index=1)
     assert block.ops == [b, c, a]
+    with pytest.raises(fluidps.ProgramError, match="cannot insert an op at 4"):
+        append_op(block, "assign", {"X": ["x"]}, {"Out": ["c"]}, index=4)
     assert block.remove_op(1) is c
     assert block.ops == [b, a]
     assert program.revision > start
@@ -106,7 +114,8 @@ def test_block_attributes_are_indices_resolved_to_blocks():
     program = fluidps.Program()
     sub = program.create_block()
     program.rollback()
-    op = program.global_block().append_op("while", attrs={"sub_block": sub})
+    # fluidps does not define `while`: only a raw op can stand for it.
+    op = program.global_block()._append_op_unchecked("while", attrs={"sub_block": sub})
     assert op.attr_type("sub_block") == AttrType.BLOCK
     assert op.attr("sub_block") == 1
     assert op.block_attr("sub_block") is sub
@@ -153,13 +162,22 @@ def test_clone_is_deep():
 def test_clone_for_test_drops_training_ops():
     main = fluidps.Program()
     block = main.global_block()
-    for name in ("x", "w", "w@GRAD", "out", "lr"):
-        block.create_var(name, shape=[2], dtype="float32", persistable=name in ("w", "lr"))
-    block.append_op("elementwise_mul", {"X": "x", "Y": "w"}, {"Out": "out"}, {"op_role": 0})
-    block.append_op("dropout", {"X": "out"}, {"Out": "out"}, {"is_test": False, "op_role": 0})
-    block.append_op("fill_constant", {}, {"Out": "w@GRAD"}, {"op_role": int(OpRole.Backward | OpRole.Loss)})
-    block.append_op(
-        "sgd", {"Param": "w", "Grad": "w@GRAD", "LearningRate": "lr"}, {"ParamOut": "w"}, {"op_role": 2}
+    for name in ("x", "w", "w@GRAD", "out"):
+        block.create_var(name, shape=[2], dtype="float32", persistable=name == "w")
+    block.create_var("lr", shape=[1], dtype="float32", persistable=True)
+    append_op = fluidps.op_registry.append_op
+    append_op(block, "elementwise_mul", {"X": "x", "Y": "w"}, {"Out": "out"}, {"op_role": 0})
+    append_op(block, "dropout", {"X": "out"}, {"Out": "out"}, {"is_test": False, "op_role": 0})
+    backward = int(OpRole.Backward | OpRole.Loss)
+    append_op(
+        block, "fill_constant", {}, {"Out": "w@GRAD"}, {"shape": [2], "value": 1.0, "op_role": backward}
+    )
+    append_op(
+        block,
+        "sgd",
+        {"Param": "w", "Grad": "w@GRAD", "LearningRate": "lr"},
+        {"ParamOut": "w"},
+        {"op_role": 2},
     )
     test = main.clone(for_test=True)
     assert [op.type for op in test.global_block().ops] == ["elementwise_mul", "dropout"]

@@ -84,7 +84,8 @@ def test_sub_blocks_and_every_attribute_type_round_trip():
         "scalar": (AttrType.SCALAR, 3),
         "scalars": (AttrType.SCALARS, [True, 2.5, 1 + 2j]),
     }
-    op = block.append_op(
+    # An op of no known type, with one attribute of every type: only a raw op can be that.
+    op = block._append_op_unchecked(
         "custom",
         attrs={k: v for k, (_, v) in values.items()},
         attr_types={k: t for k, (t, _) in values.items()},
@@ -103,7 +104,9 @@ def test_sub_blocks_and_every_attribute_type_round_trip():
 
 def test_float_attributes_store_their_float32_value():
     block = fluidps.Program().global_block()
-    op = block.append_op("scale", attrs={"scale": 0.1}, attr_types={"scale": AttrType.FLOAT})
+    x, y = (block.create_var(name, shape=[2], dtype="float32") for name in ("x", "y"))
+    op = fluidps.op_registry.append_op(block, "scale", {"X": x}, {"Out": y}, {"scale": 0.1})
+    assert op.attr_type("scale") == AttrType.FLOAT
     assert op.attr("scale") == float(np.float32(0.1))
 
 

@@ -22,7 +22,8 @@ def _tiny() -> fluidps.Program:
     block.create_var("x", shape=[-1, 4], dtype="float32", need_check_feed=True)
     block.create_var("w", shape=[4, 3], dtype="float32", persistable=True)
     block.create_var("out", shape=[-1, 3], dtype="float32")
-    block.append_op("mul", {"X": "x", "Y": "w"}, {"Out": "out"}, {"x_num_col_dims": 1, "y_num_col_dims": 1})
+    attrs = {"x_num_col_dims": 1, "y_num_col_dims": 1}
+    fluidps.op_registry.append_op(block, "mul", {"X": "x", "Y": "w"}, {"Out": "out"}, attrs)
     return program
 
 
@@ -50,13 +51,13 @@ def test_read_before_write():
     program = _tiny()
     block = program.global_block()
     block.create_var("y", shape=[-1, 3], dtype="float32")
-    block.insert_op(0, "relu", {"X": "out"}, {"Out": "y"})
+    fluidps.op_registry.append_op(block, "relu", {"X": "out"}, {"Out": "y"}, index=0)
     assert "op #0 (relu): input X reads 'out' before op #1 writes it" in _problems(program)
 
 
 def test_unknown_op():
     program = _tiny()
-    program.global_block().append_op("frobnicate", {"X": "x"}, {"Out": "out"})
+    program.global_block()._append_op_unchecked("frobnicate", {"X": "x"}, {"Out": "out"})
     assert "block 0, op #1 (frobnicate): unknown op type 'frobnicate'" in _problems(program)
 
 
@@ -103,7 +104,8 @@ def test_extra_slot_must_stay_empty():
     block = program.global_block()
     block.create_var("lr", shape=[1], dtype="float32", persistable=True)
     block.create_var("master", shape=[4, 3], dtype="float32", persistable=True)
-    block.append_op(
+    # op_registry.append_op refuses the extra slot; only a raw op can carry it.
+    block._append_op_unchecked(
         "sgd",
         {"Param": "w", "Grad": "w", "LearningRate": "lr", "MasterParam": "master"},
         {"ParamOut": "w"},
@@ -169,6 +171,6 @@ def test_tensor_without_dtype_and_bad_dims():
 def test_every_problem_is_reported_at_once():
     program = _tiny()
     block = program.global_block()
-    block.append_op("frobnicate")
+    block._append_op_unchecked("frobnicate")
     block.ops[0].set_input("Z", ["x"])
     assert len(fluidps.check(program)) == 2
