@@ -7,7 +7,12 @@ main, startup = fluidps.Program(), fluidps.Program()
 with fluidps.program_guard(main, startup):
     x = layers.data("x", [64])
     y = layers.fc(x, 10, act="softmax")
+
+May import: anything
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from fluidps import initializer, io, layers, optimizer
 from fluidps.backward import append_backward
@@ -27,9 +32,8 @@ from fluidps.errors import (
     UnsupportedError,
     VerifyError,
 )
-from fluidps.executor import Executor, Scope
-from fluidps.executor.launch.env import RoleInfo, role_from_env
-from fluidps.executor.remote.remote_executor import JobDesc, RemoteExecutor
+from fluidps.executor import Executor, RuntimeConfig, Scope
+from fluidps.executor.env import RoleInfo, role_from_env
 from fluidps.ir import AttrType, Block, Operator, OpRole, Parameter, Program, Variable, VarType
 from fluidps.layers.guard import program_guard
 from fluidps.ops import REGISTRY as op_registry
@@ -39,7 +43,24 @@ from fluidps.optimizer.regularizer import L2Decay
 from fluidps.param_attr import ParamAttr
 from fluidps.transpiler import DistributedPlan, DistributeTranspiler, DistributeTranspilerConfig
 
+if TYPE_CHECKING:
+    from fluidps.executor.remote.remote_executor import JobDesc, RemoteExecutor
+
 __version__ = "0.1.0"
+
+# RemoteExecutor and JobDesc load the ZeroMQ transport: they are imported when first
+# named (PEP 562), so that `import fluidps` and local training never load it.
+_LAZY = {
+    "JobDesc": "fluidps.executor.remote.remote_executor",
+    "RemoteExecutor": "fluidps.executor.remote.remote_executor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fluidps' has no attribute {name!r}")
+
 
 __all__ = [
     "AttrType",
@@ -67,6 +88,7 @@ __all__ = [
     "ProgramParseError",
     "RemoteExecutor",
     "RoleInfo",
+    "RuntimeConfig",
     "Scope",
     "SerializationError",
     "ShapeError",

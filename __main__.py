@@ -1,4 +1,7 @@
-"""`python -m fluidps`: the same as the `fluidps` command."""
+"""`python -m fluidps`: the same as the `fluidps` command.
+
+May import: anything
+"""
 
 from fluidps.cli import main
 

@@ -14,6 +14,8 @@ The algorithm is Fluid's:
    missing only some gets them from `fill_zeros_like`;
 6. append the grad ops (op_role Backward; op_role_var [param, grad] on the
    op that makes a parameter's gradient) and return (param, grad) pairs.
+
+May import: fluidps.errors, fluidps.ir, fluidps.ops
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
 """The error hierarchy. Every error fluidps raises on purpose is a `fluidps.Error`.
 
-Each class also derives from the builtin a Python user would expect (a bad
+Each error also derives from the builtin a Python user would expect (a bad
 program is a ValueError, misuse of the builder a RuntimeError), so code that
-does not know fluidps can still catch them the usual way.
+does not know fluidps can still catch them the usual way. EOFException and
+NoDataYet are not mistakes but signals to training loops (no more data, no data
+now), and derive from Error alone.
+
+May import: nothing
 """
 
 from __future__ import annotations

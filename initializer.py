@@ -2,6 +2,8 @@
 
 `seed=0` means "use the program's random_seed", as in Fluid, so setting
 `startup.random_seed` makes a whole model's initialization reproducible.
+
+May import: fluidps.errors, fluidps.ir, fluidps.ops
 """
 
 from __future__ import annotations

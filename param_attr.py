@@ -1,4 +1,7 @@
-"""ParamAttr: how a layer should create one of its parameters."""
+"""ParamAttr: how a layer should create one of its parameters.
+
+May import: fluidps.errors
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@ checkpoint.
 
 Every command turns bad input into one line on stderr and exit status 2;
 a check that finds problems exits with 1.
+
+May import: anything
 """
 
 from __future__ import annotations

@@ -9,30 +9,33 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 
 import click
 
 from fluidps.cli.common import fail, load_program
 from fluidps.errors import Error
+from fluidps.executor.env import runtime_config_from_env
 from fluidps.executor.executor import Executor
 from fluidps.executor.launch.processes import READY
 from fluidps.executor.remote.executor_server import ExecutorServer
-from fluidps.executor.runtime import settings_from_env
+from fluidps.executor.runtime import RuntimeConfig
 from fluidps.executor.tasks.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT, Coordinator
-from fluidps.executor.transport.rpc import RpcSettings
 from fluidps.executor.transport.security import Security, generate_keys
 
 
-def _settings(keys: str | None, insecure: bool, peer_timeout: float | None) -> RpcSettings:
-    settings = settings_from_env()
+def _config(keys: str | None, insecure: bool, peer_timeout: float | None) -> RuntimeConfig:
+    """The environment contract's configuration, with the command line's flags over it."""
+    config = runtime_config_from_env()
+    settings = config.rpc
     if keys:
         settings = settings.with_(security=Security.from_dir(keys))
     if insecure:
         settings = settings.with_(insecure=True)
     if peer_timeout is not None:
         settings = settings.with_(peer_timeout=peer_timeout)
-    return settings
+    return replace(config, rpc=settings)
 
 
 @click.command()
@@ -110,18 +113,18 @@ def serve(
     listens.
     """
     try:
-        settings = _settings(keys, insecure, peer_timeout)
+        config = _config(keys, insecure, peer_timeout)
         if role == "pserver":
-            _serve_pserver(program_file, startup_file, settings)
+            _serve_pserver(program_file, startup_file, config)
             return
         if program_file or startup_file:
             fail("--program and --startup go with --role pserver")
         if role == "coordinator":
             server = Coordinator(
-                endpoint, settings, snapshot, task_timeout, max_task_failures, name or "coordinator"
+                endpoint, config.rpc, snapshot, task_timeout, max_task_failures, name or "coordinator"
             )
         else:
-            server = ExecutorServer(endpoint, settings, name)
+            server = ExecutorServer(endpoint, config, name)
     except Error as e:
         fail(str(e))
 
@@ -149,14 +152,14 @@ def _stop_when_orphaned(parent_pid: int, stop: Callable[[], None]) -> None:
     threading.Thread(target=watch, name="parent watch", daemon=True).start()
 
 
-def _serve_pserver(program_file: str | None, startup_file: str | None, settings: RpcSettings) -> None:
+def _serve_pserver(program_file: str | None, startup_file: str | None, config: RuntimeConfig) -> None:
     if not program_file or not startup_file:
         fail("--role pserver needs --program MAIN.pb and --startup STARTUP.pb")
     main, startup = load_program(program_file), load_program(startup_file)
     serving = [op for op in main.global_block().ops if op.type == "listen_and_serv"]
     if len(serving) != 1:
         fail(f"{program_file} is not a pserver program (it has no listen_and_serv op)")
-    exe = Executor(rpc_settings=settings)
+    exe = Executor(runtime_config=config)
     exe.run(startup)
     # The loop binds as it starts; trainers connecting earlier wait for it.
     click.echo(f"pserver {serving[0].attr('pserver_id')}{READY}{serving[0].attr('endpoint')}")

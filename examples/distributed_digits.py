@@ -81,7 +81,7 @@ def run_pserver(role: fluidps.RoleInfo, t, out: Path | None) -> None:
     exe.run(main)  # listen_and_serv: returns once every trainer has finished
     print("every trainer has finished", flush=True)
     if out is not None:
-        stats = exe.runtime.servers[0].stats()  # clocks, SSP grants, sparse rows received
+        stats = exe.runtime.pserver_loops[0].stats()  # clocks, SSP grants, sparse rows received
         held = [s.name for s in t.plan.slices if s.endpoint == role.current_endpoint]
         (out / f"pserver.{role.pserver_index}.json").write_text(json.dumps(stats | {"slices": held}))
 

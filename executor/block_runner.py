@@ -11,6 +11,7 @@ from fluidps.ir.program import Block
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops import REGISTRY
 from fluidps.ops.kernel import Runner
+from fluidps.ops.runtime_api import KernelRuntime
 from fluidps.ops.selected_rows import SelectedRows
 
 
@@ -25,14 +26,15 @@ def describe(value: Any) -> str:
 
 
 class BlockRunner:
-    """The kernels of a block's ops, ready to run against an environment."""
+    """The kernels of a block's ops, ready to run against an environment. Ops that take
+    part in a job (send, listen_and_serv, read, ...) need the process's `runtime`."""
 
-    def __init__(self, block: Block):
+    def __init__(self, block: Block, runtime: KernelRuntime | None = None):
         self.block = block
         self.runners: list[Runner] = []
         for i, op in enumerate(block.ops):
             try:
-                self.runners.append(REGISTRY.build_kernel(op))
+                self.runners.append(REGISTRY.build_kernel(op, runtime))
             except Error as e:
                 raise type(e)(f"block {block.idx}, op #{i} ({op.type}): {e}") from None
         # Persistable variables this block writes (shared state when blocks run on threads).
@@ -66,29 +68,3 @@ class BlockRunner:
             f"block {self.block.idx}, op #{index} ({op.type}) failed: {error}\n  inputs:  {slots(op.inputs)}\n"
             f"  outputs: {', '.join(op.output_arg_names)}"
         )
-
-
-class LayeredEnv:
-    """An environment for a block running on a worker thread: writes to `shared`
-    names go to the shared environment, every other write stays local, so
-    concurrent blocks do not see each other's temporaries."""
-
-    def __init__(self, shared: dict[str, Any], shared_names: set[str]):
-        self._shared = shared
-        self._names = shared_names
-        self._local: dict[str, Any] = {}
-
-    def __getitem__(self, name: str) -> Any:
-        return self._local[name] if name in self._local else self._shared[name]
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        (self._shared if name in self._names else self._local)[name] = value
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._local or name in self._shared
-
-    def get(self, name: str, default: Any = None) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            return default

@@ -4,34 +4,36 @@
 (kernel runners built, scope reads and feed requirements worked out) and then
 each call only moves values in, calls the runners in order, and moves values
 out. Programs with communication ops (a trainer's send / recv, a pserver's
-listen_and_serv) run with the executor's Runtime: its part in a job.
+listen_and_serv) or a dataset reader run with the executor's Runtime, its part
+in a job, made the first time such a program is prepared: a local program never
+loads the distributed runtime (nor ZeroMQ).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fluidps.errors import EOFException, ExecutionError, FeedError, NoDataYet, ProgramError
 from fluidps.executor.block_runner import BlockRunner
-from fluidps.executor.runtime import Runtime
 from fluidps.executor.scope import Scope, Value
-from fluidps.executor.transport.rpc import RpcSettings
 from fluidps.ir.program import Program
 from fluidps.ir.types import EMPTY_VAR_NAME, FEED_VAR_NAME, FETCH_VAR_NAME, TENSOR_KINDS, to_numpy_dtype
 from fluidps.ir.variable import Variable
-from fluidps.ops.kernel import RUNTIME_KEY
 from fluidps.ops.selected_rows import SelectedRows
+
+if TYPE_CHECKING:
+    from fluidps.executor.runtime import Runtime, RuntimeConfig
 
 FetchTarget = Variable | str
 
-# Ops that talk to other processes: a program using them needs the Runtime.
-COMMUNICATION_OPS = frozenset(
+# Ops whose kernels take part in a job: a program using them needs the Runtime.
+RUNTIME_OPS = frozenset(
     {"send", "recv", "send_barrier", "fetch_barrier", "listen_and_serv", "enqueue", "dequeue"}
-    | {"create_dataset_reader", "read"}  # readers get their tasks through the runtime
+    | {"create_dataset_reader"}  # readers get their tasks through the runtime
 )
 _HOLDERS = (FEED_VAR_NAME, FETCH_VAR_NAME)
 
@@ -44,11 +46,18 @@ def _fetch_name(target: FetchTarget) -> str:
     raise FeedError(f"fetch_list entries are Variables or names, got {type(target).__name__}")
 
 
-class PreparedProgram:
-    """A program's global block, ready to run: one runner per op."""
+def needs_runtime(program: Program) -> bool:
+    """Whether `program` takes part in a job (talks to other processes or reads a dataset)."""
+    return any(op.type in RUNTIME_OPS for block in program.blocks for op in block.ops)
 
-    def __init__(self, program: Program, fetch_names: Sequence[str]):
+
+class PreparedProgram:
+    """A program's global block, ready to run: one runner per op. A program that takes
+    part in a job (`needs_runtime`) is prepared with the executor's `runtime`."""
+
+    def __init__(self, program: Program, fetch_names: Sequence[str], runtime: Runtime | None = None):
         self.program = program
+        self.runtime = runtime
         block = self.block = program.global_block()
         self.scope_reads: list[str] = []
         self.unfed: dict[str, tuple[int, str, str]] = {}  # name -> (op index, op type, slot)
@@ -83,10 +92,13 @@ class PreparedProgram:
                     var = sub_block.find_var(name)
                     if var is not None and var.persistable:
                         self._read_from_scope(name)
-        self.runner = BlockRunner(block)
-        op_types = {op.type for b in program.blocks for op in b.ops}
-        self.needs_runtime = bool(COMMUNICATION_OPS & op_types)
-        self.counts_steps = "send" in op_types  # each run of a trainer program is one step
+        if runtime is None and needs_runtime(program):
+            raise ExecutionError(
+                "this program talks to other processes or reads a dataset and needs a runtime"
+            )
+        self.runner = BlockRunner(block, runtime)
+        # Each run of a trainer program (it sends gradients) is one step of its trainer.
+        self.counts_steps = any(op.type == "send" for op in block.ops)
         self.readers = [op.input("Reader")[0] for op in block.ops if op.type == "read"]
         self.persistables = [n for n, v in block.vars.items() if v.persistable and n not in _HOLDERS]
         self.fetch_names = list(fetch_names)
@@ -132,16 +144,10 @@ class PreparedProgram:
 
     # -- running -----------------------------------------------------------------------
 
-    def run(
-        self, scope: Scope, feed: Mapping[str, Any], return_numpy: bool, runtime: Runtime | None = None
-    ) -> list[Any]:
+    def run(self, scope: Scope, feed: Mapping[str, Any], return_numpy: bool) -> list[Any]:
         env: dict[str, Any] = {}
-        if self.needs_runtime:
-            if runtime is None:
-                raise ExecutionError("this program talks to other processes and needs a Runtime")
-            env[RUNTIME_KEY] = runtime
-            if self.counts_steps:
-                runtime.begin_step()
+        if self.counts_steps and self.runtime is not None:
+            self.runtime.trainer.begin_step()
         for name in self.scope_reads:
             value = scope.find(name)
             if value is None:
@@ -208,25 +214,45 @@ def _to_numpy(value: Any) -> Any:
 
 class Executor:
     """Runs programs locally. `run(startup)` then `run(main, feed, fetch_list)`,
-    as in Fluid; values live in `scope` (by default the executor's own)."""
+    as in Fluid; values live in `scope` (by default the executor's own).
+
+    `runtime_config` says how programs that take part in a job (a trainer's, a
+    pserver's, one reading a dataset through a coordinator) talk to the others. Without
+    one, the executor reads the environment contract the first time such a program
+    runs (fluidps.executor.env.runtime_config_from_env): that is how the
+    processes `fluidps launch` starts learn their timeouts, keys, coordinator and
+    checkpoint settings, with scripts that only say `fluidps.Executor()`.
+    """
 
     def __init__(
-        self, place: Any = None, scope: Scope | None = None, rpc_settings: RpcSettings | None = None
+        self, place: Any = None, scope: Scope | None = None, runtime_config: RuntimeConfig | None = None
     ):
         self.place = place  # accepted for Fluid compatibility; fluidps runs on the CPU
         self.scope = scope if scope is not None else Scope()
         self._cache: weakref.WeakKeyDictionary[Program, dict[tuple, PreparedProgram]] = (
             weakref.WeakKeyDictionary()
         )
-        self._rpc_settings = rpc_settings
+        self._runtime_config = runtime_config
         self._runtime: Runtime | None = None
 
     @property
     def runtime(self) -> Runtime:
-        """This executor's part in a distributed job (created on first use)."""
+        """This executor's part in a distributed job (made on first use)."""
         if self._runtime is None:
-            self._runtime = Runtime(self._rpc_settings)
+            from fluidps.executor.runtime import Runtime  # local programs never load it
+
+            config = self._runtime_config
+            if config is None:
+                from fluidps.executor.env import runtime_config_from_env
+
+                config = runtime_config_from_env()
+            self._runtime = Runtime(config)
         return self._runtime
+
+    @property
+    def has_runtime(self) -> bool:
+        """Whether a program that takes part in a job ran here (the runtime exists)."""
+        return self._runtime is not None
 
     def run(
         self,
@@ -244,8 +270,7 @@ class Executor:
         feed = dict(feed or {})
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
         prepared = self.prepare(program, feed.keys(), fetch_names)
-        runtime = self.runtime if prepared.needs_runtime else None
-        return prepared.run(self.scope if scope is None else scope, feed, return_numpy, runtime)
+        return prepared.run(self.scope if scope is None else scope, feed, return_numpy)
 
     def prepare(self, program: Program, feed_names: Any, fetch_names: Sequence[str]) -> PreparedProgram:
         """The cached PreparedProgram for this program version and feed / fetch names."""
@@ -256,7 +281,8 @@ class Executor:
             stale = [k for k in per_program if k[0] != program.revision]
             for k in stale:  # an edited program's older versions will not run again
                 del per_program[k]
-            prepared = per_program[key] = PreparedProgram(program, fetch_names)
+            runtime = self.runtime if needs_runtime(program) else None
+            prepared = per_program[key] = PreparedProgram(program, fetch_names, runtime)
         return prepared
 
     def close(self) -> list[str]:

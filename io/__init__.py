@@ -5,6 +5,8 @@ PaddlePaddle's own file formats (no pickle anywhere).
     fluidps.io.load_persistables(exe, "ckpt", main)
     fluidps.io.save_inference_model("model", ["x"], [pred], exe, main)
     program, feed_names, fetch_targets = fluidps.io.load_inference_model("model", exe)
+
+May import: fluidps.errors, fluidps.ir, fluidps.ops
 """
 
 from fluidps.io.checkpoints import merge_checkpoints

@@ -1,4 +1,8 @@
-"""The builder API: layers append ops to the programs of the current `program_guard`."""
+"""The builder API: layers append ops to the programs of the current `program_guard`.
+
+May import: fluidps.errors, fluidps.ir, fluidps.ops, fluidps.initializer, fluidps.param_attr,
+fluidps.io.dataset
+"""
 
 from fluidps.layers.guard import program_guard
 from fluidps.layers.helper import LayerHelper

@@ -12,8 +12,9 @@ serves parameters. In async and SSP modes each gradient has a queue: the
 gradient's receive block `enqueue`s what arrives, its optimize block
 `dequeue`s and applies it.
 
-The network side of these ops runs in fluidps's distributed runtime; here
-are their definitions, and the kernels of the two local ones (the splits).
+Here are their definitions, the kernels of the two local ones (the splits),
+and the kernels of the others, which hand the work to the runtime the
+executor gives them (`fluidps.ops.runtime_api`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext
 from fluidps.ir.types import DISTRIBUTED_MODES, VarType
 from fluidps.ops.defs import Blocks, Bool, Float, In, Int, Ints, Long, Longs, Out, Str, Strs
-from fluidps.ops.kernel import RUNTIME_KEY, Env, KernelOp, Runner, contiguous
+from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -207,10 +208,8 @@ def _split_selected_rows_kernel(op: KernelOp) -> Runner:
     return run
 
 
-# -- kernels of the communication ops: they call the Runtime the executor provides -------
-# (fluidps.executor.runtime; found in the environment, so ops never import the executor).
-
-_SEND_BARRIER, _FETCH_BARRIER = 22, 23  # wire Kind numbers of the two barriers
+# -- kernels of the communication ops: they call the runtime the executor gives them ------
+# (KernelOp.runtime, typed by fluidps.ops.runtime_api; ops never import the executor).
 
 
 @family.kernel("send")
@@ -220,12 +219,13 @@ def _send_kernel(op: KernelOp) -> Runner:
     epmap, trainer_id, interval = op.attr("epmap"), op.attr("trainer_id"), op.attr("send_interval")
     if len(epmap) != len(names) or len(remote) != len(names):
         raise ExecutionError(f"send: {len(names)} variables but {len(epmap)} endpoints / {len(remote)} names")
+    trainer = op.runtime.trainer
 
     def run(env: Env) -> None:
         # Async with send_interval n: the runtime uploads the mean of n steps' gradients
         # every n steps (it keeps the sum, so it survives this program being prepared again).
         items = list(zip(epmap, remote, [env[n] for n in names], strict=True))
-        env[RUNTIME_KEY].send(items, trainer_id, every=interval)
+        trainer.send(items, trainer_id, every=interval)
 
     return run
 
@@ -237,55 +237,62 @@ def _recv_kernel(op: KernelOp) -> Runner:
     epmap, trainer_id, interval = op.attr("epmap"), op.attr("trainer_id"), op.attr("recv_interval")
     if len(epmap) != len(outs) or len(remote) != len(outs):
         raise ExecutionError(f"recv: {len(outs)} variables but {len(epmap)} endpoints / {len(remote)} names")
+    trainer = op.runtime.trainer
 
     def run(env: Env) -> None:
         # Async with recv_interval m: downloads every m steps (and whenever nothing was yet).
-        values = env[RUNTIME_KEY].get(list(zip(epmap, remote, strict=True)), trainer_id, every=interval)
+        values = trainer.get(list(zip(epmap, remote, strict=True)), trainer_id, every=interval)
         for name, value in zip(outs, values, strict=True):
             env[name] = value
 
     return run
 
 
-def _barrier_kernel(kind: int):
-    def build(op: KernelOp) -> Runner:
-        endpoints, trainer_id = op.attr("endpoints"), op.attr("trainer_id")
+@family.kernel("send_barrier")
+def _send_barrier_kernel(op: KernelOp) -> Runner:
+    endpoints, trainer_id, trainer = op.attr("endpoints"), op.attr("trainer_id"), op.runtime.trainer
 
-        def run(env: Env) -> None:
-            env[RUNTIME_KEY].barrier(kind, endpoints, trainer_id)
+    def run(env: Env) -> None:
+        trainer.send_barrier(endpoints, trainer_id)
 
-        return run
-
-    return build
+    return run
 
 
-family.kernel("send_barrier")(_barrier_kernel(_SEND_BARRIER))
-family.kernel("fetch_barrier")(_barrier_kernel(_FETCH_BARRIER))
+@family.kernel("fetch_barrier")
+def _fetch_barrier_kernel(op: KernelOp) -> Runner:
+    endpoints, trainer_id, trainer = op.attr("endpoints"), op.attr("trainer_id"), op.runtime.trainer
+
+    def run(env: Env) -> None:
+        trainer.fetch_barrier(endpoints, trainer_id)
+
+    return run
 
 
 @family.kernel("listen_and_serv")
 def _listen_and_serv_kernel(op: KernelOp) -> Runner:
+    host = op.runtime.pserver
+
     def run(env: Env) -> None:
-        env[RUNTIME_KEY].serve(op.op, env)
+        host.serve(op.op, env)
 
     return run
 
 
 @family.kernel("enqueue")
 def _enqueue_kernel(op: KernelOp) -> Runner:
-    x_name, queue = op.input("X"), op.attr("queue_name")
+    x_name, queue = op.input("X"), op.runtime.pserver.queue(op.attr("queue_name"))
 
     def run(env: Env) -> None:
-        env[RUNTIME_KEY].queue(queue).put(env[x_name])
+        queue.put(env[x_name])
 
     return run
 
 
 @family.kernel("dequeue")
 def _dequeue_kernel(op: KernelOp) -> Runner:
-    out_name, queue = op.output("Out"), op.attr("queue_name")
+    out_name, queue = op.output("Out"), op.runtime.pserver.queue(op.attr("queue_name"))
 
     def run(env: Env) -> None:
-        env[out_name] = env[RUNTIME_KEY].queue(queue).pop()
+        env[out_name] = queue.pop()
 
     return run

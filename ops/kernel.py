@@ -6,6 +6,10 @@ op's variable names and attribute values, defaults filled in) it returns a
 its inputs and stores its outputs. Everything that depends only on the op is
 resolved once, when the executor prepares the program; the runner does only
 the per-step work, typically one call into a numba-compiled function.
+
+Kernels that take part in a job (communication and reader ops) also get the
+process's runtime, typed by `fluidps.ops.runtime_api.KernelRuntime`, as
+`KernelOp.runtime`; the executor supplies it when it builds them.
 """
 
 from __future__ import annotations
@@ -18,24 +22,32 @@ import numpy as np
 from fluidps.errors import ExecutionError
 from fluidps.ir.operator import Operator
 from fluidps.ir.opschema import OpSchema
-from fluidps.ir.types import EMPTY_VAR_NAME, to_numpy_dtype
+from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ir.variable import Variable
+from fluidps.ops.runtime_api import KernelRuntime
 
 Env = dict[str, Any]
 Runner = Callable[[Env], None]
-
-# Where the executor puts its distributed Runtime in the environment: the
-# communication kernels (send, recv, listen_and_serv, ...) find it there.
-RUNTIME_KEY = "@RUNTIME@"
 
 
 class KernelOp:
     """What a kernel builder sees of one op."""
 
-    def __init__(self, op: Operator, schema: OpSchema):
+    def __init__(self, op: Operator, schema: OpSchema, runtime: KernelRuntime | None = None):
         self.op = op
         self.type = op.type
         self._schema = schema
+        self._runtime = runtime
+
+    @property
+    def runtime(self) -> KernelRuntime:
+        """The process's part in a job, for kernels that talk to other processes or read datasets."""
+        if self._runtime is None:
+            raise ExecutionError(
+                f"op {self.type!r} takes part in a distributed job or reads a dataset: build it with a "
+                "runtime (fluidps.Executor gives one to the programs that need it)"
+            )
+        return self._runtime
 
     def inputs(self, slot: str) -> list[str]:
         return self.op.input(slot)
@@ -64,12 +76,6 @@ class KernelOp:
     def var(self, name: str) -> Variable | None:
         """The declared variable (shape, dtype) behind a name."""
         return None if self.op.block is None else self.op.block.find_var(name)
-
-    def numpy_dtype(self, name: str) -> np.dtype:
-        var = self.var(name)
-        if var is None or var.dtype is None:
-            raise ExecutionError(f"op {self.type!r}: variable {name!r} has no declared dtype")
-        return to_numpy_dtype(var.dtype)
 
     def _one(self, names: list[str], kind: str, slot: str) -> str:
         if len(names) != 1 or names[0] == EMPTY_VAR_NAME:

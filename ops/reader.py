@@ -3,10 +3,10 @@
 As in Fluid's reader design, the startup program creates the reader (a
 READER variable) and the main program's first op, `read`, fills the data
 variables with the next mini-batch each time the program runs, instead of
-the caller feeding them. Here the reader reads a sharded dataset task by
-task (fluidps.executor.tasks.task_reader): from the job's coordinator when it has
-one, from a queue in this process otherwise. When every pass is done, `read`
-raises EOFException.
+the caller feeding them. The reader itself is the runtime's (`KernelOp.runtime.readers`,
+fluidps.executor.tasks in fluidps): it reads a sharded dataset task by task, from
+the job's coordinator when it has one, from a queue in this process otherwise.
+When every pass is done, `read` raises EOFException.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext
 from fluidps.ir.types import VarType, to_numpy_dtype
 from fluidps.ops.defs import Bool, In, Int, Out, Str, Strs
-from fluidps.ops.kernel import RUNTIME_KEY, Env, KernelOp, Runner
+from fluidps.ops.kernel import Env, KernelOp, Runner
 from fluidps.ops.registry import OpFamily
 
 family = OpFamily("reader")
@@ -80,10 +80,12 @@ def _create_kernel(op: KernelOp) -> Runner:
         op.attr("drop_last"),
     )
 
+    readers = op.runtime.readers
+
     def run(env: Env) -> None:
         # Running the startup again starts reading afresh: the runtime closes the reader
         # this variable held (its task finished or given back).
-        env[out] = env[RUNTIME_KEY].open_reader(out, spec)
+        env[out] = readers.open(out, spec)
 
     return run
 
@@ -102,7 +104,7 @@ def _read_kernel(op: KernelOp) -> Runner:
             raise ExecutionError(f"{reader_name!r} holds no reader: run the startup program first")
         if len(reader.spec.fields) != len(outs):
             raise ExecutionError(f"the reader has {len(reader.spec.fields)} fields for {len(outs)} outputs")
-        batch = reader.next_batch(env[RUNTIME_KEY])
+        batch = reader.next_batch()
         for name, field in zip(outs, reader.spec.fields, strict=True):
             value = batch[field]
             var = declared[name]

@@ -20,6 +20,7 @@ from fluidps.ir.program import Block
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops.grad import GradSpec, grad_schema
 from fluidps.ops.kernel import KernelBuilder, KernelOp, Runner
+from fluidps.ops.runtime_api import KernelRuntime
 
 # Common attributes the builder writes on every op; the others (name scopes,
 # call stacks) are Paddle bookkeeping that fluidps leaves out.
@@ -121,8 +122,9 @@ class OpRegistry(Mapping[str, OpSchema]):
     def has_kernel(self, type: str) -> bool:
         return type in self._kernels
 
-    def build_kernel(self, op: Operator) -> Runner:
-        """The runner of `op`: its kernel builder applied to the op."""
+    def build_kernel(self, op: Operator, runtime: KernelRuntime | None = None) -> Runner:
+        """The runner of `op`: its kernel builder applied to the op. Kernels of ops that
+        take part in a job (send, listen_and_serv, read, ...) need the process's `runtime`."""
         schema = self.schema(op.type)
         builder = self._kernels.get(op.type)
         if builder is None:
@@ -130,7 +132,7 @@ class OpRegistry(Mapping[str, OpSchema]):
                 f"op {op.type!r} has no kernel in fluidps, so programs using it cannot run"
             )
         self._check_implemented(op, schema)
-        return builder(KernelOp(op, schema))
+        return builder(KernelOp(op, schema, runtime))
 
     @staticmethod
     def _check_implemented(op: Operator, schema: OpSchema) -> None:
@@ -197,12 +199,6 @@ class OpRegistry(Mapping[str, OpSchema]):
             var.type, var.dtype, var.shape, var.lod_level = info.type, info.dtype, info.shape, info.lod_level
         block._insert_operator(len(block.ops) if index is None else index, op)
         return op
-
-    def infer_shape(self, op: Operator) -> dict[str, VarInfo]:
-        """What `op`'s schema infers for its outputs, given its block's variables."""
-        if op.block is None:
-            raise ProgramError(f"op {op.type!r} is not in a block")
-        return self._infer(op, self.schema(op.type), op.block)
 
     @staticmethod
     def _infer(op: Operator, schema: OpSchema, block: Block) -> dict[str, VarInfo]:

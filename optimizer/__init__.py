@@ -1,4 +1,8 @@
-"""Optimizers, weight decay and gradient clipping (`fluidps.optimizer`)."""
+"""Optimizers, weight decay and gradient clipping (`fluidps.optimizer`).
+
+May import: fluidps.errors, fluidps.ir, fluidps.ops, fluidps.backward, fluidps.initializer,
+fluidps.layers.guard
+"""
 
 from fluidps.optimizer.base import Optimizer
 from fluidps.optimizer.clip import GradientClipByGlobalNorm

@@ -6,29 +6,17 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import fluidps
 from fluidps import layers
 
+# Tests stop the servers they start (each in its own session) the way fluidps does:
+# SIGTERM to the group, SIGKILL if still there after a bound, everything reaped.
+from fluidps.executor.launch.processes import stop_group  # noqa: F401 (re-exported for the tests)
+
 FIXTURES = Path(__file__).parent / "fixtures"
 PADDLE = FIXTURES / "paddle"
-
-
-def stop_group(process: subprocess.Popen, timeout: float = 10.0) -> None:
-    """Stop a process started with start_new_session and everything in its group, by its
-    own id: SIGTERM, then SIGKILL if it is still there after `timeout` seconds."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout)
 
 
 def paddle_fixture(name: str) -> Path:

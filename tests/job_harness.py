@@ -1,16 +1,23 @@
 """Test harness for whole jobs in one process: pservers on threads, each with its own
 Executor, as `listen_and_serv` runs in a pserver process.
 
-Every wait is bounded; `join` checks that every pserver stopped without an error.
+Every participant of the job shares one ZeroMQ context (`config`), which inproc://
+endpoints need. Every wait is bounded; `join` checks that every pserver stopped
+without an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+import weakref
+
+import zmq
 
 import fluidps
-from fluidps.executor.transport.rpc import RpcSettings
+from fluidps.executor.runtime import RuntimeConfig
+from fluidps.executor.transport.settings import RpcSettings
 
 
 class PserverThreads:
@@ -21,7 +28,11 @@ class PserverThreads:
     def __init__(self, transpiler, endpoints: list[str], settings: RpcSettings, wait: float = 30.0):
         self.transpiler, self.endpoints, self.wait = transpiler, list(endpoints), wait
         self.errors: list[BaseException] = []
-        self.executors = {ep: fluidps.Executor(rpc_settings=settings) for ep in self.endpoints}
+        self.context = zmq.Context()
+        # Closed (with any socket a failed test left open) once the job is collected.
+        weakref.finalize(self, self.context.destroy, 0)
+        self.config = RuntimeConfig(rpc=settings, context=self.context)
+        self.executors = {ep: fluidps.Executor(runtime_config=self.config) for ep in self.endpoints}
         self.final_stats: dict[str, dict] = {}  # per endpoint, when its loop ended
         self.threads = [
             threading.Thread(target=self._serve, args=(ep,), daemon=True) for ep in self.endpoints
@@ -38,24 +49,29 @@ class PserverThreads:
         except BaseException as e:
             self.errors.append(e)
         finally:
-            if exe.runtime.servers:
-                self.final_stats[endpoint] = exe.runtime.servers[0].stats()
+            if exe.has_runtime and exe.runtime.pserver_loops:
+                self.final_stats[endpoint] = exe.runtime.pserver_loops[0].stats()
             exe.close()
+
+    def trainer_executor(self, settings: RpcSettings | None = None) -> fluidps.Executor:
+        """An Executor for a trainer of this job (its settings unless given)."""
+        rpc = settings if settings is not None else self.config.rpc
+        return fluidps.Executor(runtime_config=dataclasses.replace(self.config, rpc=rpc))
 
     def server(self, endpoint: str):
         """The ParameterServer loop of `endpoint` (there once it answered a request)."""
-        return self.executors[endpoint].runtime.servers[0]
+        return self.executors[endpoint].runtime.pserver_loops[0]
 
     def drain(self, endpoint: str, timeout: float | None = None) -> None:
         """Wait until the pserver has applied every gradient it queued."""
         timeout = self.wait if timeout is None else timeout
         server = self.server(endpoint)
-        runtime = self.executors[endpoint].runtime
+        host = self.executors[endpoint].runtime.pserver
         deadline = time.monotonic() + timeout
         for grad in server.grad_block:
-            while len(runtime.queue(grad)) and time.monotonic() < deadline:
+            while len(host.queue(grad)) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert len(runtime.queue(grad)) == 0, f"{endpoint} did not apply its queued {grad} in {timeout} s"
+            assert len(host.queue(grad)) == 0, f"{endpoint} did not apply its queued {grad} in {timeout} s"
         for lock in server.locks.values():  # a worker that popped a gradient holds its lock while applying it
             assert lock.acquire(timeout=timeout)
             lock.release()

@@ -5,7 +5,6 @@ Every wait is bounded, every thread joined and every socket closed (`Net.close`)
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import uuid
@@ -13,21 +12,26 @@ from collections.abc import Callable
 
 import zmq
 
-from fluidps.executor.transport.rpc import Request, RpcClient, RpcServer, RpcSettings, zmq_address
+from fluidps.endpoints import pick_free_ports, zmq_address
+from fluidps.executor.transport.rpc import Request, RpcClient, RpcServer
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, decode
 
 TRANSPORTS = ["tcp", "ipc", "inproc"]
-# Alive peers get a generous timeout (a loaded machine must not look dead);
-# tests of dead peers use a small one and allow SLACK on top.
+# Alive peers get a generous timeout (a loaded machine must not look dead). Tests of
+# dead peers use a small peer timeout and a request timeout LONG on purpose: which
+# error surfaces (PeerLostError, not "did not answer ... within") tells which one fired.
+LONG = 120.0
 FAST = RpcSettings(heartbeat_interval=0.1, peer_timeout=10.0, request_timeout=30.0, retry_after=0.3)
-DEAD = FAST.with_(peer_timeout=1.0)
-SLACK = 5.0
+DEAD = FAST.with_(peer_timeout=1.0, request_timeout=LONG)
+# A hang guard, not a speed claim: a wait that an event (a dead peer, a wake) should
+# end must end well before the LONG timeout it would otherwise run into.
+NOT_HUNG = LONG / 2
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now (fluidps.endpoints.pick_free_ports; a race remains)."""
+    return pick_free_ports("127.0.0.1", 1)[0]
 
 
 def echo(request: Request) -> Message:

@@ -1,6 +1,10 @@
-"""Program transformations: autodiff and the distribute transpiler."""
+"""Passes from Program to Program: the distribute transpiler (trainer and pserver programs
+from one training program). Autodiff (fluidps.backward) extends the program being built
+instead, as the layers do, so it lives beside them.
 
-from fluidps.backward import append_backward
+May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops
+"""
+
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
 from fluidps.transpiler.plan import DistributedPlan, Slice
@@ -10,5 +14,4 @@ __all__ = [
     "DistributeTranspilerConfig",
     "DistributedPlan",
     "Slice",
-    "append_backward",
 ]

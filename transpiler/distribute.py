@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from fluidps.endpoints import parse_endpoints
 from fluidps.errors import BuilderError
 from fluidps.ir.program import Program
 from fluidps.ir.types import VarType
@@ -27,28 +28,6 @@ from fluidps.transpiler.plan import DistributedPlan, Slice
 from fluidps.transpiler.pserver_program import build_pserver_programs
 from fluidps.transpiler.slicing import dispatch, row_blocks
 from fluidps.transpiler.trainer_program import build_trainer_program, build_trainer_startup
-
-
-def parse_endpoints(pservers: str | Sequence[str]) -> tuple[str, ...]:
-    """ "ip:port,ip:port" (or a list) -> validated endpoints, in order. ZeroMQ
-    addresses (tcp://, ipc://, inproc://) are accepted as they are."""
-    items = pservers.split(",") if isinstance(pservers, str) else list(pservers)
-    endpoints = tuple(e.strip() for e in items if e.strip())
-    if not endpoints:
-        raise BuilderError("pservers: give at least one endpoint, e.g. '127.0.0.1:6174'")
-    for ep in endpoints:
-        if ep.startswith(("tcp://", "ipc://", "inproc://")):
-            if not ep.split("://", 1)[1]:
-                raise BuilderError(f"pserver endpoint {ep!r} has no address after the scheme")
-            continue
-        host, sep, port = ep.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise BuilderError(
-                f"pserver endpoint {ep!r} is not host:port (or a tcp://, ipc:// or inproc:// address)"
-            )
-    if len(set(endpoints)) != len(endpoints):
-        raise BuilderError(f"pserver endpoints repeat: {', '.join(endpoints)}")
-    return endpoints
 
 
 def plan_slices(

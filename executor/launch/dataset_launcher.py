@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fluidps.endpoints import format_endpoint
 from fluidps.errors import BuilderError, DatasetError
-from fluidps.executor.launch.env import CONTRACT_VARS, format_endpoint
+from fluidps.executor.env import CONTRACT_VARS
 from fluidps.executor.launch.launcher import POLL_S, Child, Launcher, describe_exit, exit_status
 from fluidps.executor.launch.processes import thread_limits
 from fluidps.executor.launch.progress import CoordinatorWatch, ProgressBar

@@ -1,7 +1,7 @@
 """Run a parameter-server job on one machine: N pservers and M trainers of one script.
 
 Every process runs `python script.py args` with the environment contract of
-`fluidps.executor.launch.env` and lives in its own process group, so stopping it also
+`fluidps.executor.env` and lives in its own process group, so stopping it also
 stops whatever it started. Its output comes back line by line, prefixed with
 "[pserver.0] " / "[trainer.1] ". The job ends when
 
@@ -19,10 +19,8 @@ Whatever happens, every process is stopped and reaped before `run()` returns.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,15 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from fluidps.endpoints import format_endpoint, pick_free_ports
 from fluidps.errors import BuilderError
-from fluidps.executor.launch.env import CONTRACT_VARS, format_endpoint
-from fluidps.executor.launch.processes import thread_limits
+from fluidps.executor.env import CONTRACT_VARS
+from fluidps.executor.launch.processes import reap_group, stop_groups, thread_limits
 from fluidps.transpiler.config import MODES
 
 POLL_S = 0.05
-# After SIGKILL a process is gone within milliseconds unless stuck in the kernel;
-# the bound only keeps the launcher from hanging on such a one.
-KILL_WAIT_S = 5.0
 # How long the output of finished processes may take to drain once they are reaped.
 DRAIN_WAIT_S = 2.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -59,40 +55,6 @@ def describe_exit(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name} (status {exit_status(returncode)})"
     return f"exited with status {returncode}"
-
-
-def pick_ports(host: str, count: int, start: int | None = None) -> list[int]:
-    """`count` TCP ports free on `host`: start, start + 1, ... when given, else any.
-
-    The ports are checked by binding them all at once (so they are distinct) and
-    released right away, for the pservers to bind; another program could take one
-    in between, which the pserver would then report.
-    """
-    if start is not None and not 1 <= start <= 65536 - count:
-        raise BuilderError(
-            f"start port {start} is invalid: ports {start}..{start + count - 1} must be 1..65535"
-        )
-    socks: list[socket.socket] = []
-    try:
-        try:
-            family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
-        except (socket.gaierror, UnicodeError) as e:
-            raise BuilderError(f"host {host!r} cannot be resolved: {e}") from None
-        for i in range(count):
-            port = 0 if start is None else start + i
-            s = socket.socket(family, socket.SOCK_STREAM)
-            socks.append(s)
-            # As zmq's listeners do, so a port left in TIME_WAIT by an earlier job counts as free.
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError as e:
-                where = f"port {port} on {host}" if port else f"a port on {host}"
-                raise BuilderError(f"cannot bind {where}: {e.strerror or e}") from None
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def job_environments(
@@ -139,8 +101,12 @@ class Child:
     log: BinaryIO | None = None
     log_lock: threading.Lock = field(default_factory=threading.Lock)
     readers: list[threading.Thread] = field(default_factory=list)
-    returncode: int | None = None  # set once reaped
     restarts: int = 0
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status once reaped (Launcher._reap), else None."""
+        return self.proc.returncode
 
     @property
     def role(self) -> str:
@@ -267,55 +233,23 @@ class Launcher:
             t.start()
             child.readers.append(t)
 
-    def _kill_group(self, child: Child, sig: int) -> None:
-        # Only called while the leader is unreaped (running or a zombie): its pid, and so
-        # its group id, cannot have been reused by an unrelated process yet.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(child.proc.pid, sig)
-
     def _reap(self, child: Child) -> bool:
-        """Whether `child` has exited; if so, kill what it left in its group and reap it."""
-        if child.returncode is not None:
-            return True
-        try:
-            # WNOWAIT: look without reaping, so the group id stays reserved for _kill_group.
-            info = os.waitid(os.P_PID, child.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            # Reaped behind our back (a SIGCHLD handler of the caller's, say): its group id
-            # may be reused already, so leave the group alone.
-            child.returncode = child.proc.poll()
-            return child.returncode is not None
-        if info is None:
-            return False
-        self._kill_group(child, signal.SIGKILL)
-        try:
-            child.returncode = child.proc.wait(timeout=KILL_WAIT_S)
-        except subprocess.TimeoutExpired:  # cannot happen for an exited process; stay bounded anyway
-            return False
-        return True
+        """Whether `child` has exited; if so, what it left in its group is killed and it is reaped."""
+        return reap_group(child.proc) is not None
 
     def _live(self) -> list[Child]:
         return [c for c in self.children if not self._reap(c)]
 
     def _stop(self, children: Sequence[Child]) -> None:
         """SIGTERM to each group, SIGKILL to those still there after stop_timeout; reap all."""
-        live = [c for c in children if not self._reap(c)]
-        for c in live:
-            self._kill_group(c, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout
-        while live and time.monotonic() < deadline and not self._hurry:
-            time.sleep(POLL_S)
-            live = [c for c in live if not self._reap(c)]
-        if live:
-            self._say(f"killing {', '.join(c.name for c in live)}: still running after SIGTERM")
-        for c in live:
-            self._kill_group(c, signal.SIGKILL)
-        deadline = time.monotonic() + KILL_WAIT_S
-        while live and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            live = [c for c in live if not self._reap(c)]
-        for c in live:
-            self._say(f"{c.name} (pid {c.proc.pid}) did not die after SIGKILL; giving up on it")
+        by_proc = {c.proc: c for c in children}
+
+        def say_killing(procs: list[subprocess.Popen]) -> None:
+            self._say(f"killing {', '.join(by_proc[p].name for p in procs)}: still running after SIGTERM")
+
+        stuck = stop_groups(list(by_proc), self.stop_timeout, hurry=lambda: self._hurry, on_kill=say_killing)
+        for p in stuck:
+            self._say(f"{by_proc[p].name} (pid {p.pid}) did not die after SIGKILL; giving up on it")
 
     # -- the job ---------------------------------------------------------
 
@@ -342,7 +276,7 @@ class Launcher:
                     self.log_dir.mkdir(parents=True, exist_ok=True)
                 except OSError as e:
                     raise BuilderError(f"cannot create log directory {self.log_dir}: {e}") from None
-            ports = pick_ports(self.host, self.pservers + self.extra_ports, self.start_port)
+            ports = pick_free_ports(self.host, self.pservers + self.extra_ports, self.start_port)
             self.endpoints = [format_endpoint(self.host, p) for p in ports[: self.pservers]]
             extra = self._job_environment(ports[self.pservers :])
             self._say(self._describe())

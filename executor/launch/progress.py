@@ -13,7 +13,8 @@ import zmq
 from tqdm import tqdm
 
 from fluidps.errors import TransportError
-from fluidps.executor.transport.rpc import RpcClient, RpcSettings
+from fluidps.executor.transport.rpc import RpcClient
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 
 

@@ -1,5 +1,5 @@
-"""A pserver's checkpoints: where and how often (listen_and_serv's attributes, which the
-FLUIDPS_CHECKPOINT_* variables override), what they hold, and restoring them.
+"""A pserver's checkpoints: where and how often (listen_and_serv's attributes, which a
+job's CheckpointOverrides replace), what they hold, and restoring them.
 
 The pserver hands in its values (copied under their locks) and its step count; the
 files, checksums and resharding are fluidps.io.checkpoints'.
@@ -7,9 +7,9 @@ files, checksums and resharding are fluidps.io.checkpoints'.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,16 +18,27 @@ from fluidps.errors import CheckpointError
 from fluidps.io import checkpoints as ckpt
 
 
+@dataclass(frozen=True)
+class CheckpointOverrides:
+    """What a job sets for every pserver's checkpoints instead of what its program says
+    (`fluidps launch --dataset` sets them; None: the program's attribute)."""
+
+    directory: str | None = None
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    keep: int | None = None
+
+
 class Checkpointer:
-    def __init__(self, op: Any, log: Callable[[str], None], environ: Mapping[str, str] | None = None):
-        env = os.environ if environ is None else environ
+    def __init__(self, op: Any, log: Callable[[str], None], overrides: CheckpointOverrides):
+        def setting(value: Any, attr: str) -> Any:
+            return op.attr(attr) if value is None else value
+
         self.log = log
-        self.directory = env.get("FLUIDPS_CHECKPOINT_DIR") or op.attr("checkpoint_dir")
-        self.every_steps = int(env.get("FLUIDPS_CHECKPOINT_EVERY_STEPS", op.attr("checkpoint_every_steps")))
-        self.every_seconds = float(
-            env.get("FLUIDPS_CHECKPOINT_EVERY_SECONDS", op.attr("checkpoint_every_seconds"))
-        )
-        keep = int(env.get("FLUIDPS_CHECKPOINT_KEEP", op.attr("checkpoint_keep")))
+        self.directory = overrides.directory or op.attr("checkpoint_dir")
+        self.every_steps = int(setting(overrides.every_steps, "checkpoint_every_steps"))
+        self.every_seconds = float(setting(overrides.every_seconds, "checkpoint_every_seconds"))
+        keep = int(setting(overrides.keep, "checkpoint_keep"))
         if self.every_steps < 0 or self.every_seconds < 0 or keep < 1:
             raise CheckpointError(
                 f"checkpoint every {self.every_steps} steps / {self.every_seconds} s, keeping {keep}: "

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import zmq
 
-from fluidps.executor.transport.rpc import RpcSettings, connect_dealer
+from fluidps.executor.transport.rpc import connect_dealer
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, encode
 
 

@@ -1,22 +1,15 @@
 """The parameter server loop: what listen_and_serv runs.
 
-Sync mode: trainer i's gradient of a slice lands in `<grad>.trainer_<i>`;
-when every live trainer has sent its send_barrier for the step, the server
-runs the learning-rate block and every optimize block (which sum the copies
-and scale by 1/trainers: trainers that sent nothing this step, paused or
-done, count as the mean of those that did), counts the step done, and
-answers each trainer's GET once the step holding its barrier is done.
-Async mode: each arriving gradient runs its receive block (an enqueue); one
-worker thread per optimize block dequeues and applies gradients as they
-come, holding that slice's lock, and GETs copy under the lock. SSP: async,
-but a GET waits until the trainer's clock is at most `staleness` steps ahead
-of the slowest live trainer's; every clock change and every grant is logged.
+It receives requests, keeps track of the trainers, and hands each event to the
+strategy of its mode (fluidps.executor.ps.strategies: sync, async, ssp), which
+applies gradients and says when a GET may be answered; GETs that may not be
+answered yet wait in `deferred`.
 
 Trainers are tracked by `Membership`: a trainer silent (no message, no
 keepalive) for the peer timeout is evicted in an elastic job and fails the job,
 by name, otherwise. The loop ends when every trainer is done or evicted.
 
-Checkpoints (`checkpoint_dir`, from the program or FLUIDPS_CHECKPOINT_DIR):
+Checkpoints (`checkpoint_dir`, from the program or the job's CheckpointOverrides):
 every N steps or seconds, on a CHECKPOINT request, at the end, and on
 SIGTERM; at the start the newest ones are restored, resharded if the job's
 pservers changed.
@@ -31,21 +24,23 @@ import signal
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fluidps.errors import Error, ExecutionError, TransportError
-from fluidps.executor.block_runner import BlockRunner, LayeredEnv
-from fluidps.executor.ps import gradients
 from fluidps.executor.ps.checkpointer import Checkpointer
 from fluidps.executor.ps.membership import DONE, Membership
+from fluidps.executor.ps.strategies import STRATEGIES
 from fluidps.executor.transport.rpc import Request, RpcServer
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
+from fluidps.ir.operator import Operator
 from fluidps.ir.types import DISTRIBUTED_MODES
-from fluidps.ops.kernel import RUNTIME_KEY
 from fluidps.ops.selected_rows import SelectedRows
+
+if TYPE_CHECKING:
+    from fluidps.executor.ps.host import PserverHost
 
 IDLE_TIMEOUT = 3600.0  # seconds without any message while trainers are live
 # A trainer not heard from at all since the loop started gets this long to show up
@@ -93,9 +88,10 @@ def _pairs(values: list[str]) -> dict[str, int]:
 
 
 class ParameterServer:
-    def __init__(self, op: Any, env: dict[str, Any], runtime: Any):
+    def __init__(self, op: Operator, env: dict[str, Any], host: PserverHost):
         self.env = env
-        self.runtime = runtime
+        self.host = host
+        self.settings = host.settings
         program = op.block.program
         self.endpoint = op.attr("endpoint")
         self.pserver_id = op.attr("pserver_id")
@@ -106,29 +102,25 @@ class ParameterServer:
         self.grad_block = _pairs(op.attr("grad_to_block_id"))
         self.queue_block = _pairs(op.attr("grad_to_queue_block_id"))
         self.blocks = {
-            i: BlockRunner(program.block(i))
+            i: host.runner_for(program.block(i))
             for i in set(self.grad_block.values()) | set(self.queue_block.values())
         }
         lr = op.attr("lr_decay_block_id")
-        self.lr_block = BlockRunner(program.block(lr)) if lr >= 0 else None
+        self.lr_block = host.runner_for(program.block(lr)) if lr >= 0 else None
         self.served = {n for n, v in program.global_block().vars.items() if v.persistable}
-        self.members = Membership(self.fanin, elastic=runtime.settings.elastic, on_event=self.log)
-        self.arrived: set[int] = set()  # sync: send barriers of the current step
-        self.sent: set[int] = set()  # sync: trainers whose gradients of the current step arrived
-        self.awaiting: dict[int, int] = {}  # sync: the step each trainer's next GET waits for
-        self.completed = 0  # sync: optimization steps done
+        self.members = Membership(self.fanin, elastic=self.settings.elastic, on_event=self.log)
         self.clock_log: deque[dict[str, Any]] = deque(maxlen=CLOCK_LOG_LIMIT)
-        self.max_step = 0  # async / SSP: the furthest clock
         self.received_rows: dict[str, RowLog] = {}  # sparse gradients: which rows arrived
         self.deferred: list[Request] = []
         self.log_lines: list[str] = []
         self.last_heard = time.monotonic()
         self.locks = {i: threading.Lock() for i in self.blocks}
         self.lock_of = {name: self.locks[i] for i in self.blocks for name in self.blocks[i].writes}
-        self.checkpoints = Checkpointer(op, self.log)
+        self.checkpoints = Checkpointer(op, self.log, host.checkpoints)
+        self.strategy = STRATEGIES[self.mode](self)
         self._stop_reason: str | None = None
-        self._stop = threading.Event()
-        self._failure: BaseException | None = None
+        # Set when the loop stops taking requests (it then finishes what it acknowledged).
+        self.ended = threading.Event()
         self.server: RpcServer | None = None
         self._started = time.monotonic()
 
@@ -139,20 +131,13 @@ class ParameterServer:
     # -- the loop -------------------------------------------------------------------------
 
     def serve(self) -> None:
-        self.server = RpcServer(
-            self.runtime.context_for(self.endpoint), self.endpoint, self.name, self.runtime.settings
-        )
+        self.server = RpcServer(self.host.context_for(self.endpoint), self.endpoint, self.name, self.settings)
         previous_handler = self._catch_sigterm()
-        workers: list[threading.Thread] = []
         try:
             restored = self.checkpoints.restore(self.env, self.pserver_id)
             if restored is not None:
-                if self.mode == "sync":
-                    self.completed = restored
-                else:
-                    self.max_step = restored
-            if self.mode != "sync":
-                workers = [self._start_worker(g, b) for g, b in self.grad_block.items()]
+                self.strategy.restore(restored)
+            self.strategy.start()
             while self.members.active and self._stop_reason is None:
                 for request in self.server.receive(0.05):
                     self.last_heard = time.monotonic()
@@ -160,23 +145,20 @@ class ParameterServer:
                 self._check_trainers()
                 self._answer_deferred()
                 self._maybe_checkpoint()
-                if self._failure is not None:
-                    raise ExecutionError(
-                        f"{self.name}: an optimize block failed: {self._failure}"
-                    ) from self._failure
+                failure = self.strategy.failure
+                if failure is not None:
+                    raise ExecutionError(f"{self.name}: an optimize block failed: {failure}") from failure
                 if time.monotonic() - self.last_heard > IDLE_TIMEOUT:
                     raise TransportError(
                         f"{self.name}: no message for {IDLE_TIMEOUT:.0f} s from trainers {sorted(self.members.active)}"
                     )
-            self._stop.set()
-            for worker in workers:
-                worker.join(timeout=10)
-            if self.checkpoints.enabled and self.checkpoints.changed_since_last(self._steps()):
+            self.ended.set()
+            self.strategy.stop()  # every acknowledged gradient applied before the last checkpoint
+            if self.checkpoints.enabled and self.checkpoints.changed_since_last(self.strategy.steps):
                 self._checkpoint(self._stop_reason or "end")
         finally:
-            self._stop.set()
-            for worker in workers:
-                worker.join(timeout=10)
+            self.ended.set()
+            self.strategy.stop()
             self.server.close()
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)
@@ -212,7 +194,7 @@ class ParameterServer:
             rows = {grad: log.rows() for grad, log in self.received_rows.items()}
         out = {
             "mode": self.mode,
-            "completed_steps": self.completed,
+            **self.strategy.stats(),
             "clocks": {str(t): m.clock for t, m in self.members.members.items()},
             "trainers": {str(t): m.state for t, m in self.members.members.items()},
             "clock_log": clock_log,
@@ -273,13 +255,16 @@ class ParameterServer:
         self.members.admit(trainer, msg.sender)
         member = self.members.members[trainer]
         if before and member.sender != before:  # a new incarnation replaced an old one
-            self.arrived.discard(trainer)
-            self.awaiting.pop(trainer, None)
-            self.deferred = [r for r in self.deferred if r.msg.trainer_id != trainer]
+            self._forget(trainer)
         if member.state == DONE and msg.kind != Kind.COMPLETE:
             raise TransportError(f"trainer {trainer} already said it is done")
         if msg.kind in (Kind.SEND, Kind.SEND_BARRIER):
             self.members.resume(trainer)
+
+    def _forget(self, trainer: int) -> None:
+        """Drop what a trainer's old incarnation started: its barrier and its waiting GETs."""
+        self.strategy.forget(trainer)
+        self.deferred = [r for r in self.deferred if r.msg.trainer_id != trainer]
 
     # -- gradients ------------------------------------------------------------------------
 
@@ -292,69 +277,30 @@ class ParameterServer:
         for grad, value in msg.tensors.items():
             if isinstance(value, SelectedRows):
                 self.received_rows.setdefault(grad, RowLog()).add(value.rows)
-            if self.mode == "sync":
-                self.env[f"{grad}.trainer_{msg.trainer_id}"] = value
-                self.sent.add(msg.trainer_id)
-            else:
-                self.blocks[self.queue_block[grad]].run({grad: value, RUNTIME_KEY: self.runtime})
-        if self.mode != "sync" and self.members.tick(msg.trainer_id, msg.step):
-            clock = self.members.clock(msg.trainer_id)
-            self.clock_log.append(
-                {"t": time.monotonic(), "event": "clock", "trainer": msg.trainer_id, "step": clock}
-            )
-            if clock > self.max_step:
-                # Without global steps, the schedule advances with the furthest trainer, a
-                # step at a time (a trainer uploading every n steps moves it n steps).
-                for _ in range(clock - self.max_step if self.lr_block is not None else 0):
-                    self.lr_block.run(self.env)
-                self.max_step = clock
+        self.strategy.on_gradients(msg.trainer_id, msg.step, msg.tensors)
         self.server.reply(request)
 
     def _on_send_barrier(self, request: Request) -> None:
-        trainer = request.msg.trainer_id
-        self.arrived.add(trainer)
-        self.awaiting[trainer] = self.completed + 1
         self.server.reply(request)
-        self._maybe_optimize()
-
-    def _maybe_optimize(self) -> None:
-        if self.mode != "sync" or not self.arrived or not self.members.live <= self.arrived:
-            return
-        contributors = self.arrived & self.sent
-        if contributors:
-            missing = set(range(self.fanin)) - contributors
-            # Trainers that sent no gradients this step (paused, done, evicted, or at the
-            # barrier with no batch) count as the mean of those that did, so the optimize
-            # blocks' sum / trainers is the mean of the gradients that came.
-            for grad in self.grad_block if missing else ():
-                mean = gradients.mean([self.env[f"{grad}.trainer_{t}"] for t in sorted(contributors)])
-                for t in missing:
-                    self.env[f"{grad}.trainer_{t}"] = mean
-            if self.lr_block is not None:
-                self.lr_block.run(self.env)
-            for block in sorted(self.blocks):
-                self.blocks[block].run(self.env)
-        self.completed += 1  # (a step nobody brought gradients to changes nothing)
-        self.arrived.clear()
-        self.sent -= contributors
+        self.strategy.on_barrier(request.msg.trainer_id)
 
     # -- trainers coming and going ------------------------------------------------------------
 
     def _on_pause(self, request: Request) -> None:
         self.members.pause(request.msg.trainer_id)
         self.server.reply(request)
-        self._maybe_optimize()
+        self.strategy.on_members_changed()
 
     def _on_complete(self, request: Request) -> None:
         self.members.complete(request.msg.trainer_id)
         self.server.reply(request)
-        self._maybe_optimize()
+        self.strategy.on_members_changed()
 
     def _check_trainers(self) -> None:
         """Evict (elastic) or fail on trainers silent for longer than the peer timeout
         (paused ones too: a trainer waiting for a task keeps sending heartbeats)."""
         now = time.monotonic()
-        timeout = self.runtime.settings.peer_timeout
+        timeout = self.settings.peer_timeout
         for trainer in sorted(self.members.active):
             member = self.members.members[trainer]
             if member.sender:
@@ -373,9 +319,8 @@ class ParameterServer:
                     self.server.error(waiting, error)
                 self.deferred = []
                 raise TransportError(error)
-            self.arrived.discard(trainer)
-            self.deferred = [r for r in self.deferred if r.msg.trainer_id != trainer]
-            self._maybe_optimize()
+            self._forget(trainer)
+            self.strategy.on_members_changed()
 
     # -- parameters -----------------------------------------------------------------------
 
@@ -390,36 +335,13 @@ class ParameterServer:
             self.deferred.append(request)
 
     def _may_answer(self, msg: Message) -> bool:
-        if msg.trainer_id < 0:
-            return True  # an observer
-        if self.mode == "sync":
-            return self.completed >= self.awaiting.get(msg.trainer_id, 0)
-        if self.mode == "ssp":
-            slowest = self.members.slowest()
-            return slowest is None or self.members.clock(msg.trainer_id) - slowest <= self.staleness
-        return True
+        return msg.trainer_id < 0 or self.strategy.may_answer(msg.trainer_id)  # < 0: an observer
 
     def _answer_get(self, request: Request) -> None:
         msg = request.msg
-        values = {}
-        for name in msg.names:
-            if self.mode == "sync":
-                values[name] = self.env[name]  # nothing changes it until every trainer has fetched
-            else:
-                lock = self.lock_of.get(name)
-                with lock if lock is not None else contextlib.nullcontext():
-                    values[name] = _snapshot(self.env[name])
-        if self.mode == "ssp" and msg.trainer_id >= 0:
-            slowest = self.members.slowest()
-            self.clock_log.append(
-                {
-                    "t": time.monotonic(),
-                    "event": "grant",
-                    "trainer": msg.trainer_id,
-                    "step": self.members.clock(msg.trainer_id),
-                    "slowest": slowest if slowest is not None else self.members.clock(msg.trainer_id),
-                }
-            )
+        values = {name: self.strategy.read(name) for name in msg.names}
+        if msg.trainer_id >= 0:
+            self.strategy.answered(msg.trainer_id)
         self.server.reply(request, Message(Kind.VALUES, tensors=values))
 
     def _answer_deferred(self) -> None:
@@ -443,60 +365,29 @@ class ParameterServer:
                     f"cannot set {name!r}: got {value.dtype}{list(value.shape)}, it is {current.dtype}{list(current.shape)}"
                 )
         for name, value in request.msg.tensors.items():
-            lock = self.lock_of.get(name)
-            with lock if lock is not None else contextlib.nullcontext():
+            with self.locked(name):
                 self.env[name] = np.array(value, copy=True)
         self.server.reply(request)
 
+    def locked(self, name: str) -> contextlib.AbstractContextManager:
+        """Hold the lock of the optimize block that writes `name` (if one does)."""
+        lock = self.lock_of.get(name)
+        return lock if lock is not None else contextlib.nullcontext()
+
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _steps(self) -> int:
-        return self.completed if self.mode == "sync" else self.max_step
-
     def _maybe_checkpoint(self) -> None:
-        if self.checkpoints.due(self._steps()):
+        if self.checkpoints.due(self.strategy.steps):
             self._checkpoint("periodic")
 
     def _checkpoint(self, reason: str) -> ckpt.Checkpoint:
         values = {}
         for name in self.checkpoints.placements:
-            lock = self.lock_of.get(name)
-            with lock if lock is not None else contextlib.nullcontext():
+            with self.locked(name):
                 values[name] = np.array(self.env[name], copy=True)
-        return self.checkpoints.save(values, self._steps(), reason)
+        return self.checkpoints.save(values, self.strategy.steps, reason)
 
     def _on_checkpoint(self, request: Request) -> None:
         saved = self._checkpoint("requested")
         text = json.dumps(ckpt.describe(saved) | {"path": str(saved.path)})
         self.server.reply(request, Message(Kind.VALUES, text=text))
-
-    # -- async workers ---------------------------------------------------------------------
-
-    def _start_worker(self, grad: str, block: int) -> threading.Thread:
-        queue = self.runtime.queue(grad)
-        runner, lock = self.blocks[block], self.locks[block]
-
-        def work() -> None:
-            # Until told to stop and the queue is empty: a gradient acknowledged to its
-            # trainer is applied, even when that trainer has just said it is done.
-            while True:
-                if not queue.wait(0.05):
-                    if self._stop.is_set():
-                        return
-                    continue
-                try:
-                    with lock:
-                        runner.run(LayeredEnv(self.env, runner.writes))
-                except BaseException as e:  # reported by the serving loop, which stops the job
-                    self._failure = e
-                    return
-
-        thread = threading.Thread(target=work, name=f"optimize {grad}", daemon=True)
-        thread.start()
-        return thread
-
-
-def _snapshot(value: Any) -> Any:
-    if isinstance(value, SelectedRows):
-        return value.copy()
-    return np.array(value, copy=True)

@@ -1,1 +1,10 @@
-"""remote"""
+"""remote: RemoteExecutor, Executor's API with the training running as a job.
+
+Owns RemoteExecutor and JobDesc (remote_executor.py), the values of a job as a
+scope (remote_scope.py), the executor servers a job runs on and the connections to
+them (cluster.py), and the executor server `fluidps serve` runs (executor_server.py):
+a local Executor driven over the wire.
+
+May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops, fluidps.transpiler,
+fluidps.executor, fluidps.executor.transport, fluidps.executor.launch.processes
+"""

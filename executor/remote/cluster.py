@@ -1,4 +1,4 @@
-"""The executor servers of one RemoteExecutor's job, and every connection to them.
+"""Cluster: the executor servers one RemoteExecutor's job runs on, and every connection to them.
 
 It starts the servers the job asks for (or connects to running ones),
 waits until each answers, and at the end closes the job in order: trainers
@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 import zmq
 
 from fluidps.errors import Error, TransportError
-from fluidps.executor.launch.processes import ServerProcess, kill_all
-from fluidps.executor.transport.rpc import RpcClient, RpcSettings, wait_all
+from fluidps.executor.launch.processes import ServeProcess, kill_all
+from fluidps.executor.transport.rpc import RpcClient, wait_all
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 
 if TYPE_CHECKING:
@@ -31,22 +32,24 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Server:
-    role: str  # "pserver" or "trainer"
+class Node:
+    """One executor server of the cluster."""
+
+    role: str  # "pserver", "trainer" or "coordinator"
     index: int
     client: RpcClient
-    process: ServerProcess | None  # None: a server someone else runs
+    process: ServeProcess | None  # None: a server someone else runs
 
 
-class JobServers:
+class Cluster:
     def __init__(self, job: JobDesc, settings: RpcSettings):
         self.settings = settings
         self.context = zmq.Context()
         self.own_logs = job.log_dir is None
         self.log_dir = Path(job.log_dir or tempfile.mkdtemp(prefix="fluidps-job-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.processes: list[ServerProcess] = []
-        self.servers: list[Server] = []
+        self.processes: list[ServeProcess] = []
+        self.nodes: list[Node] = []
         self.observers: dict[str, RpcClient] = {}  # pserver loop endpoint -> a client reading it
         self.keep_logs = False  # set when the job failed: its logs explain why
         self._closed = False
@@ -67,7 +70,7 @@ class JobServers:
         for role, i, given in wanted:
             if not given:
                 name = f"{role}.{i}"
-                started[name] = ServerProcess(
+                started[name] = ServeProcess(
                     name,
                     job.host,
                     self.log_dir / f"{name}.log",
@@ -85,13 +88,13 @@ class JobServers:
             else:
                 address = process.wait_ready(max(deadline - time.monotonic(), 1.0))
             client = RpcClient(self.context, address, f"{role} {i}'s executor server", self.settings)
-            self.servers.append(Server(role, i, client, process))
-        self.call_all({s.client: Message(Kind.HELLO) for s in self.servers})
+            self.nodes.append(Node(role, i, client, process))
+        self.call_all({s.client: Message(Kind.HELLO) for s in self.nodes})
 
     def start_coordinator(self, job: JobDesc) -> str:
         """Start the job's coordinator on this machine (its state in the log directory);
         its address. Stopped with the job."""
-        process = ServerProcess(
+        process = ServeProcess(
             "coordinator",
             job.host,
             self.log_dir / "coordinator.log",
@@ -105,12 +108,12 @@ class JobServers:
         self.processes.append(process)
         address = process.wait_ready(job.start_timeout)
         client = RpcClient(self.context, address, "the coordinator", self.settings)
-        self.servers.append(Server("coordinator", 0, client, process))
+        self.nodes.append(Node("coordinator", 0, client, process))
         self.call_all({client: Message(Kind.HELLO)})
         return address
 
-    def role(self, role: str) -> list[Server]:
-        return [s for s in self.servers if s.role == role]
+    def role(self, role: str) -> list[Node]:
+        return [s for s in self.nodes if s.role == role]
 
     def observe(self, endpoint: str, name: str) -> RpcClient:
         """A client of a pserver loop, for reading and writing its values (trainer id -1)."""
@@ -128,7 +131,7 @@ class JobServers:
 
     def death_notes(self) -> str:
         notes = []
-        for s in self.servers:
+        for s in self.nodes:
             status = s.process.exit_status() if s.process is not None else None
             if status is not None:
                 notes.append(f"\n{s.role} {s.index} exited with status {status}{s.process.describe_log()}")
@@ -150,10 +153,12 @@ class JobServers:
             for s in group:
                 if s.process is not None:
                     status = s.process.stop(timeout=self.settings.peer_timeout)
-                    if status != 0:
+                    if status is None:
+                        problems.append(f"{s.role} {s.index} (pid {s.process.pid}) did not die after SIGKILL")
+                    elif status != 0:
                         problems.append(f"{s.role} {s.index} exited with status {status}")
         kill_all(self.processes)  # any that never became a server
-        for client in [*self.observers.values(), *(s.client for s in self.servers)]:
+        for client in [*self.observers.values(), *(s.client for s in self.nodes)]:
             client.close()
         self.context.term()
         if problems:

@@ -20,7 +20,8 @@ import zmq
 
 from fluidps.errors import EOFException, Error, NoDataYet
 from fluidps.executor.executor import Executor
-from fluidps.executor.transport.rpc import Request, RpcServer, RpcSettings
+from fluidps.executor.runtime import RuntimeConfig
+from fluidps.executor.transport.rpc import Request, RpcServer
 from fluidps.executor.transport.wire import Kind, Message, json_fields
 from fluidps.ir.program import Program
 
@@ -37,10 +38,11 @@ class _Job:
 
 
 class ExecutorServer:
-    def __init__(self, endpoint: str, settings: RpcSettings | None = None, name: str | None = None):
-        self.settings = settings or RpcSettings()
+    def __init__(self, endpoint: str, config: RuntimeConfig | None = None, name: str | None = None):
+        self.config = config or RuntimeConfig()  # what the programs it runs take part in a job with
+        self.settings = self.config.rpc
         self.name = name or f"executor server {endpoint}"
-        self.exe = Executor(rpc_settings=self.settings)
+        self.exe = Executor(runtime_config=self.config)
         self.programs: dict[str, Program] = {}
         self._context = zmq.Context()
         self.server = RpcServer(self._context, endpoint, self.name, self.settings)
@@ -78,9 +80,8 @@ class ExecutorServer:
         program still running (a pserver whose trainers never finished) is
         abandoned: its sockets stay open, so the runtime is not closed under it."""
         busy = [t for t in (self._background, self._job and self._job.thread) if t is not None]
-        if self._background is not None and self._background.is_alive() and self.exe._runtime is not None:
-            for loop in self.exe.runtime.servers:  # pserver loops still serving: save, then end
-                loop.stop("shutdown")
+        if self._background is not None and self._background.is_alive() and self.exe.has_runtime:
+            self.exe.runtime.pserver.stop("shutdown")  # pserver loops still serving: save, then end
         for thread in busy:
             thread.join(timeout=self.settings.peer_timeout)
         if any(t.is_alive() for t in busy):
@@ -142,8 +143,9 @@ class ExecutorServer:
         address = json_fields(text, {"coordinator": str})["coordinator"]
         if not address.startswith(("tcp://", "ipc://")):
             raise Error(f"CONFIGURE: the coordinator's address must be tcp:// or ipc://, got {address!r}")
-        self.exe.runtime.coordinator = address
-        self.exe.runtime.wait_for_tasks = False
+        readers = self.exe.runtime.readers
+        readers.coordinator = address
+        readers.wait_for_tasks = False
 
     def _program(self, name: str) -> Program:
         if name not in self.programs:
@@ -161,7 +163,7 @@ class ExecutorServer:
         problems = self.exe.close()
         if problems:
             print(f"{self.name}: on reset: {'; '.join(problems)}", flush=True)
-        self.exe = Executor(rpc_settings=self.settings)
+        self.exe = Executor(runtime_config=self.config)
         self.programs.clear()
         self._background, self._background_error = None, None
 
@@ -177,9 +179,8 @@ class ExecutorServer:
             background = "running" if self._background.is_alive() else "done"
         if self._background_error:
             background = f"failed: {self._background_error}"
-        servers = (
-            [s.stats(compact=True) for s in self.exe.runtime.servers] if self.exe._runtime is not None else []
-        )
+        runtime = self.exe.runtime if self.exe.has_runtime else None
+        servers = [s.stats(compact=True) for s in runtime.pserver_loops] if runtime is not None else []
         return {"background": background, "programs": sorted(self.programs), "pservers": servers}
 
     # -- runs on a worker thread ---------------------------------------------------------------
@@ -195,11 +196,13 @@ class ExecutorServer:
             try:
                 values = self.exe.run(self.programs[msg.text], feed=msg.tensors, fetch_list=msg.names)
                 job.result["values"] = dict(zip(msg.names, values, strict=True))
-                job.result["samples"] = self.exe.runtime.samples_read() if self.exe._runtime else None
+                runtime = self.exe.runtime if self.exe.has_runtime else None
+                readers = runtime.readers if runtime is not None and runtime.has_readers else None
+                job.result["samples"] = readers.samples_read() if readers is not None else None
             except NoDataYet:
                 # No batch for this trainer now: it takes part in the step without gradients
                 # (nobody waits for it) and pulls the parameters as the others do.
-                self.exe.runtime.skip_step()
+                self.exe.runtime.trainer.skip_step()
                 if REFRESH in self.programs:
                     self.exe.run(self.programs[REFRESH])
                 job.result["no_task"] = "wait"
@@ -207,7 +210,7 @@ class ExecutorServer:
                 # Done reading: no barrier or SSP bound of a trainer still in its last step may
                 # wait for this one. It pauses (the pservers keep serving the client, who may
                 # read the trained values) and says it is done when the job closes.
-                self.exe.runtime.pause()
+                self.exe.runtime.trainer.pause()
                 job.result["no_task"] = "finished"
             except Error as e:
                 job.result["error"] = str(e)

@@ -28,7 +28,6 @@ checkpoint_dir, the job resumes from those instead of the client's values.
 from __future__ import annotations
 
 import json
-import socket
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -38,9 +37,10 @@ from typing import Any
 
 import numpy as np
 
+from fluidps.endpoints import free_endpoints, parse_endpoints
 from fluidps.errors import BuilderError, EOFException, Error, ExecutionError, UnsupportedError
 from fluidps.executor.executor import Executor, FetchTarget, _fetch_name
-from fluidps.executor.remote.cluster import JobServers
+from fluidps.executor.remote.cluster import Cluster
 from fluidps.executor.remote.executor_server import REFRESH
 from fluidps.executor.remote.remote_scope import RemoteScope
 from fluidps.executor.scope import Scope
@@ -52,7 +52,7 @@ from fluidps.ir.types import OpRole
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.transpiler.analysis import role, role_params
 from fluidps.transpiler.config import DistributeTranspilerConfig
-from fluidps.transpiler.distribute import DistributeTranspiler, parse_endpoints
+from fluidps.transpiler.distribute import DistributeTranspiler
 from fluidps.transpiler.plan import DistributedPlan
 
 
@@ -99,7 +99,7 @@ class JobDesc:
                 "with pserver_servers, give pserver_endpoints: where their pserver loops listen"
             )
         if self.pserver_endpoints:
-            parse_endpoints(list(self.pserver_endpoints))
+            parse_endpoints(list(self.pserver_endpoints), "pserver_endpoints")
         self.transpiler_config()  # a bad mode fails here, not at the first step
 
     def transpiler_config(self) -> DistributeTranspilerConfig:
@@ -134,14 +134,14 @@ class RemoteExecutor:
         self._startup: Program | None = None
         self._deployment: Deployment | None = None
         self._failed: str | None = None
-        self._servers = JobServers(self.job, self.job.rpc_settings())
+        self._cluster = Cluster(self.job, self.job.rpc_settings())
         # Closed once: by close(), or when this object is collected or Python exits.
-        self._finalizer = weakref.finalize(self, self._servers.close)
+        self._finalizer = weakref.finalize(self, self._cluster.close)
 
     @property
     def log_dir(self) -> Path:
         """Where the servers this executor started write their output."""
-        return self._servers.log_dir
+        return self._cluster.log_dir
 
     # -- running ---------------------------------------------------------------------------
 
@@ -210,7 +210,7 @@ class RemoteExecutor:
         }
         self.scope.invalidate()
         try:
-            replies = self._servers.call_all(requests)
+            replies = self._cluster.call_all(requests)
         except Error as e:
             self._failed = f"step {d.steps + 1}: {e}"
             raise ExecutionError(f"the job failed at step {d.steps + 1}: {e}") from None
@@ -252,8 +252,10 @@ class RemoteExecutor:
                 "run the startup program before training (exe.run(startup_program)): "
                 "the pservers initialize their slices from it"
             )
-        job, trainers = self.job, self._servers.role("trainer")
-        endpoints = list(job.pserver_endpoints) or [_free_endpoint(job.host) for _ in range(job.pservers)]
+        job, trainers = self.job, self._cluster.role("trainer")
+        # The pserver loops' endpoints go into the transpiled programs, so they are picked before
+        # the loops start; pick_free_ports says where a race remains.
+        endpoints = list(job.pserver_endpoints) or free_endpoints(job.host, job.pservers)
         transpiler = DistributeTranspiler(job.transpiler_config())
         plans = [
             transpiler.transpile(i, program, endpoints, len(trainers), startup_program=self._startup)
@@ -261,36 +263,36 @@ class RemoteExecutor:
         ]
         plan = plans[0]
         try:
-            pservers = self._servers.role("pserver")
-            self._servers.call_all(
+            pservers = self._cluster.role("pserver")
+            self._cluster.call_all(
                 {
                     s.client: _load("startup", plan.pserver_startups[ep])
                     for s, ep in zip(pservers, plan.endpoints, strict=True)
                 }
             )
-            self._servers.call_all({s.client: Message(Kind.RUN, text="startup") for s in pservers})
-            self._servers.call_all(
+            self._cluster.call_all({s.client: Message(Kind.RUN, text="startup") for s in pservers})
+            self._cluster.call_all(
                 {
                     s.client: _load("pserver", plan.pserver_programs[ep])
                     for s, ep in zip(pservers, plan.endpoints, strict=True)
                 }
             )
-            self._servers.call_all({s.client: Message(Kind.START, text="pserver") for s in pservers})
+            self._cluster.call_all({s.client: Message(Kind.START, text="pserver") for s in pservers})
             observers = {
-                ep: self._servers.observe(ep, f"pserver {i} ({ep})") for i, ep in enumerate(plan.endpoints)
+                ep: self._cluster.observe(ep, f"pserver {i} ({ep})") for i, ep in enumerate(plan.endpoints)
             }
             reads = _reads_dataset(program)
             if reads:  # the trainers read their batches from a coordinator's tasks
-                coordinator = self._servers.start_coordinator(job)
+                coordinator = self._cluster.start_coordinator(job)
                 settings = Message(Kind.CONFIGURE, text=json.dumps({"coordinator": coordinator}))
-                self._servers.call_all({t.client: settings for t in trainers})
+                self._cluster.call_all({t.client: settings for t in trainers})
             trainer_vars = frozenset(
                 n for n, v in plan.trainer_program.global_block().vars.items() if v.persistable
             )
             d = Deployment(
                 program,
                 plan,
-                self._servers.settings,
+                self._cluster.settings,
                 observers,
                 [t.client for t in trainers],
                 trainer_vars,
@@ -306,11 +308,11 @@ class RemoteExecutor:
             if not resumed:
                 self.scope.scatter({n: v for n in placed if _is_value(v := staged.find(n))})
             for s, p in zip(trainers, plans, strict=True):
-                self._servers.call_all({s.client: _load("startup", p.trainer_startup)})
-                self._servers.call_all({s.client: _load("trainer", p.trainer_program)})
+                self._cluster.call_all({s.client: _load("startup", p.trainer_startup)})
+                self._cluster.call_all({s.client: _load("trainer", p.trainer_program)})
                 if reads:  # a trainer skipping a step (no batch) pulls the parameters with it
-                    self._servers.call_all({s.client: _load(REFRESH, _without_readers(p.trainer_startup))})
-            self._servers.call_all({t.client: Message(Kind.RUN, text="startup") for t in trainers})
+                    self._cluster.call_all({s.client: _load(REFRESH, _without_readers(p.trainer_startup))})
+            self._cluster.call_all({t.client: Message(Kind.RUN, text="startup") for t in trainers})
             own = {n: v for n in trainer_vars - placed if _is_value(v := staged.find(n))}  # not readers
             if own:
                 self.scope.scatter(own)
@@ -323,7 +325,7 @@ class RemoteExecutor:
     @property
     def server_pids(self) -> dict[str, int]:
         """Process ids of the executor servers this executor started, by name (pserver.0, ...)."""
-        return {p.name: p.pid for p in self._servers.processes}
+        return {p.name: p.pid for p in self._cluster.processes}
 
     @property
     def plan(self) -> DistributedPlan | None:
@@ -354,7 +356,7 @@ class RemoteExecutor:
         servers this executor started exit (or are stopped by their pid). Returns the
         problems met, as Executor.close does."""
         if self._failed is not None:
-            self._servers.keep_logs = True
+            self._cluster.keep_logs = True
         return self._finalizer() or []
 
     def __enter__(self) -> RemoteExecutor:
@@ -415,15 +417,6 @@ def _persistables(program: Program) -> tuple[set[str], set[str]]:
                 if var is not None and var.persistable:
                     writes.add(name)
     return reads - {"feed", "fetch"}, writes - {"feed", "fetch"}
-
-
-def _free_endpoint(host: str) -> str:
-    """host:port with a port nobody listens on now (the pserver binds it moments later)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _batch_size(feed: Mapping[str, Any]) -> int:

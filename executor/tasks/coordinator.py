@@ -6,8 +6,9 @@ The first trainer's request configures a fresh coordinator; later ones must
 read the same. Every change is written to the snapshot (atomically: temporary
 file, fsync, rename) before it is answered, so a coordinator killed at any
 moment and restarted from its snapshot neither loses nor double-counts a task:
-a report it never answered is retried by the trainer (`CoordinatorClient`) and
-counted then; one it answered is in the snapshot.
+a report it never answered is retried by the trainer
+(fluidps.executor.tasks.coordinator_client) and counted then; one it answered
+is in the snapshot.
 
 Every message's text is JSON, parsed into checked fields (`wire.json_fields`): nothing
 received is evaluated.
@@ -24,9 +25,10 @@ from typing import Any
 
 import zmq
 
-from fluidps.errors import Error, PeerLostError, RemoteError, TransportError
+from fluidps.errors import Error
 from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
-from fluidps.executor.transport.rpc import Request, RpcClient, RpcServer, RpcSettings
+from fluidps.executor.transport.rpc import Request, RpcServer
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import OPTIONAL_FLOAT, Kind, Message, json_fields
 from fluidps.io.atomic import write_atomic
 from fluidps.io.dataset import Dataset
@@ -255,52 +257,3 @@ class Coordinator:
         if self.queue is None:
             return {"configured": False, "finished": False}
         return {"configured": True, "dataset": self.dataset_path, **self.queue.status()}
-
-
-class CoordinatorClient:
-    """A trainer's connection to the coordinator, which may restart: a request that meets
-    a restart or silence is sent again, on a new connection, until the coordinator answers
-    or `patience` seconds pass (the time a launcher needs to bring it back)."""
-
-    def __init__(
-        self,
-        context: zmq.Context,
-        endpoint: str,
-        settings: RpcSettings,
-        trainer_id: int,
-        sender: int,
-        patience: float = 120.0,
-    ):
-        self.context, self.endpoint, self.settings = context, endpoint, settings
-        self.trainer_id, self.sender, self.patience = trainer_id, sender, patience
-        self._client: RpcClient | None = None
-
-    def call(self, kind: int, fields: dict[str, Any]) -> Message:
-        deadline = time.monotonic() + self.patience
-        while True:
-            client = self._connect()
-            try:
-                return client.call(
-                    Message(kind, text=json.dumps(fields)), timeout=self.settings.peer_timeout * 3
-                )
-            except RemoteError:
-                raise
-            except (PeerLostError, TransportError) as e:  # down, restarting, or restarted
-                self.close()
-                if time.monotonic() > deadline:
-                    raise TransportError(
-                        f"the coordinator ({self.endpoint}) has not come back within {self.patience:g} s: {e}"
-                    ) from None
-                time.sleep(min(1.0, self.settings.heartbeat_interval * 2))
-
-    def _connect(self) -> RpcClient:
-        if self._client is None:
-            self._client = RpcClient(
-                self.context, self.endpoint, "the coordinator", self.settings, self.trainer_id, self.sender
-            )
-        return self._client
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None

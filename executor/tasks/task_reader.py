@@ -12,25 +12,27 @@ When the coordinator says "wait" (the pass ends once other trainers finish
 their tasks) the reader pauses this trainer at the pservers, so that no
 barrier waits for it, and asks again; an executor driven step by step by a
 RemoteExecutor raises NoDataYet instead, and skips the step without data
-(Runtime.skip_step), keeping in step with the other trainers. (A trainer resuming
-computes its first step on the parameters it last received, a few steps old:
-the staleness of one pass boundary.) When every pass is done
-it raises EOFException, and training loops end, as in Fluid.
+(TrainerClient.skip_step), keeping in step with the other trainers. (A trainer
+resuming computes its first step on the parameters it last received, a few
+steps old: the staleness of one pass boundary.) When every pass is done it
+raises EOFException, and training loops end, as in Fluid.
+
+`Readers` holds a process's readers, one per READER variable: what the
+runtime gives the create_dataset_reader kernel.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from fluidps.errors import DatasetError, EOFException, Error, NoDataYet
-from fluidps.executor.tasks.coordinator import CoordinatorClient
 from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
-from fluidps.executor.transport.wire import Kind, json_fields
 from fluidps.io.dataset import Dataset
 from fluidps.ops.reader import ReaderSpec
 
@@ -52,9 +54,26 @@ class TaskLease:
     timeout: float
 
 
+class TaskSource(Protocol):
+    """Where a reader's tasks come from: a queue in this process or the coordinator."""
+
+    def acquire(self) -> TaskLease | str: ...  # a lease, "wait" or "finished"
+
+    def finish(self, lease: TaskLease, samples: int, loss: float | None) -> None: ...
+
+    def fail(self, lease: TaskLease, reason: str) -> None: ...
+
+    def release(self, lease: TaskLease) -> None: ...
+
+    def renew(self, lease: TaskLease) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class TaskReader:
-    def __init__(self, spec: ReaderSpec):
+    def __init__(self, spec: ReaderSpec, readers: Readers):
         self.spec = spec
+        self._readers = readers
         self.dataset = Dataset(spec.dataset)
         missing = [f for f in spec.fields if f not in self.dataset.fields]
         if missing:
@@ -68,7 +87,7 @@ class TaskReader:
         self.config = QueueConfig(
             self.dataset.fingerprint, self.records_per_task, spec.passes, spec.shuffle, spec.seed
         )
-        self._source: LocalSource | CoordinatorSource | None = None
+        self._source: TaskSource | None = None
         self._lease: TaskLease | None = None
         self._data: dict[str, np.ndarray] = {}
         self._cursor = 0
@@ -92,8 +111,8 @@ class TaskReader:
 
     # -- what the read op calls ---------------------------------------------------------
 
-    def next_batch(self, runtime: Any) -> dict[str, np.ndarray]:
-        source = self._source or self._bind(runtime)
+    def next_batch(self) -> dict[str, np.ndarray]:
+        source = self._source or self._bind()
         while True:
             left = self._lease.stop - self._lease.start - self._cursor if self._lease else 0
             if left > 0 and not (self.spec.drop_last and left < self.spec.batch_size):
@@ -107,10 +126,10 @@ class TaskReader:
                     f"the reader of {self.spec.dataset} is done: {self.spec.passes} pass(es) over the dataset"
                 )
             if got == "wait":
-                if not runtime.wait_for_tasks:  # the executor skips the step (Runtime.skip_step)
+                if not self._readers.wait_for_tasks:  # the executor skips the step (skip_step)
                     raise NoDataYet("no task for this trainer now: the others are finishing the pass")
                 if not self._paused:
-                    runtime.pause()
+                    self._readers.pause_trainer()
                     self._paused = True
                 time.sleep(WAIT_POLL_S)
                 continue
@@ -151,7 +170,7 @@ class TaskReader:
 
     # -- inside --------------------------------------------------------------------------
 
-    def _take(self, count: int, source: Any) -> dict[str, np.ndarray]:
+    def _take(self, count: int, source: TaskSource) -> dict[str, np.ndarray]:
         start = self._cursor
         self._cursor += count
         self._samples += count
@@ -163,7 +182,7 @@ class TaskReader:
             self._renewed = time.monotonic()
         return {field: self._data[field][start : start + count] for field in self.spec.fields}
 
-    def _finish(self, source: Any) -> None:
+    def _finish(self, source: TaskSource) -> None:
         lease, self._lease = self._lease, None
         assert lease is not None
         source.finish(lease, self._samples, self._mean_loss())
@@ -172,8 +191,8 @@ class TaskReader:
     def _mean_loss(self) -> float | None:
         return self._loss_sum / self._loss_samples if self._loss_samples else None
 
-    def _bind(self, runtime: Any) -> LocalSource | CoordinatorSource:
-        if runtime.coordinator is None:
+    def _bind(self) -> TaskSource:
+        if self._readers.coordinator is None:
             self._source = LocalSource(self.dataset, self.config, self.records_per_task)
         else:
             request = {
@@ -184,7 +203,7 @@ class TaskReader:
                 "shuffle": self.config.shuffle,
                 "seed": self.config.seed,
             }
-            self._source = CoordinatorSource(runtime.coordinator_client(), request)
+            self._source = self._readers.coordinator_source(request)
         return self._source
 
 
@@ -221,51 +240,59 @@ def _lease(got: Lease, queue: TaskQueue) -> TaskLease:
     return TaskLease(got.id, task.id, task.shard, task.start, task.stop, queue.pass_index, queue.timeout)
 
 
-_TASK_REPLY = {
-    "lease": int,
-    "task": int,
-    "shard": int,
-    "start": int,
-    "stop": int,
-    "pass": int,
-    "attempt": int,
-    "timeout": float,
-}
+class Readers:
+    """A process's dataset readers, by READER variable (fluidps.ops.runtime_api.ReaderHost).
 
+    Their tasks come from the coordinator at `coordinator` (an address) when there is
+    one, through `connect(address, request)`; from a queue in this process otherwise.
+    `wait_for_tasks`: a reader with no task now waits for one (pausing its trainer with
+    `pause_trainer`), unless a client drives this executor step by step (an executor
+    server): then it raises NoDataYet and the step is skipped.
+    """
 
-class CoordinatorSource:
-    """Tasks from the job's coordinator."""
+    def __init__(
+        self,
+        coordinator: str | None,
+        connect: Callable[[str, dict[str, Any]], TaskSource],
+        pause_trainer: Callable[[], None],
+    ):
+        self.coordinator = coordinator
+        self.wait_for_tasks = True
+        self.pause_trainer = pause_trainer
+        self._connect = connect
+        self._open: dict[str, TaskReader] = {}
 
-    def __init__(self, client: CoordinatorClient, request: dict[str, Any]):
-        self.client = client
-        self.request = request
+    def open(self, name: str, spec: ReaderSpec) -> TaskReader:
+        """A new reader for the READER variable `name`, closing the one it replaces."""
+        reader = TaskReader(spec, self)
+        previous = self._open.pop(name, None)
+        if previous is not None:
+            previous.close()
+        self._open[name] = reader
+        return reader
 
-    def acquire(self) -> TaskLease | str:
-        reply = self.client.call(Kind.TASK_GET, self.request)
-        if reply.kind == Kind.NO_TASK and reply.text in ("wait", "finished"):
-            return reply.text
-        if reply.kind != Kind.TASK:
-            raise Error(
-                f"the coordinator answered a task request with {reply.kind_name} {reply.text[:200]!r}"
-            )
-        f = json_fields(reply.text, _TASK_REPLY)
-        if not (0 <= f["start"] <= f["stop"]) or f["timeout"] <= 0:
-            raise Error(f"the coordinator sent an invalid task {reply.text!r}")
-        return TaskLease(f["lease"], f["task"], f["shard"], f["start"], f["stop"], f["pass"], f["timeout"])
+    def coordinator_source(self, request: dict[str, Any]) -> TaskSource:
+        assert self.coordinator is not None
+        return self._connect(self.coordinator, request)
 
-    def finish(self, lease: TaskLease, samples: int, loss: float | None) -> None:
-        self.client.call(Kind.TASK_DONE, {"lease": lease.lease, "samples": samples, "loss": loss})
+    @property
+    def reading(self) -> bool:
+        """Some reader started and has not reached the end of its data."""
+        return any(r.reading for r in self._open.values())
 
-    def fail(self, lease: TaskLease, reason: str) -> None:
-        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": reason})
+    def samples_read(self) -> int | None:
+        """Records the readers handed out in the last step (None: there is no reader)."""
+        if not self._open:
+            return None
+        return sum(r.last_batch for r in self._open.values())
 
-    def release(self, lease: TaskLease) -> None:
-        # Given back as a failure the coordinator can count: it cannot tell a trainer that
-        # stops early from one that stops because of the task.
-        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": "its trainer stopped early"})
-
-    def renew(self, lease: TaskLease) -> None:
-        self.client.call(Kind.TASK_RENEW, {"lease": lease.lease})
-
-    def close(self) -> None:
-        self.client.close()
+    def close(self) -> list[str]:
+        """Each reader's last task: reported done, or given back. Returns the problems met."""
+        problems = []
+        for reader in self._open.values():
+            try:
+                reader.close()
+            except Error as e:
+                problems.append(f"reader of {reader.spec.dataset}: {e}")
+        self._open.clear()
+        return problems

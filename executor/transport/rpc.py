@@ -20,8 +20,10 @@ from typing import Any
 
 import zmq
 
+from fluidps.endpoints import zmq_address
 from fluidps.errors import PeerLostError, RemoteError, TransportError, WireError
-from fluidps.executor.transport.security import Security, check_bind
+from fluidps.executor.transport.security import check_bind
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
 
 # Replies the server keeps per client for repeated requests.
@@ -29,37 +31,6 @@ _REPLY_CACHE = 32
 # A socket closed in this process releases its TCP port moments later, on ZeroMQ's
 # I/O thread: a server rebinding the port (restarted in-process) retries this long.
 _REBIND_WAIT = 2.0
-
-
-@dataclass(frozen=True)
-class RpcSettings:
-    heartbeat_interval: float = 0.5  # seconds between application heartbeats while waiting
-    peer_timeout: float = 10.0  # a peer silent this long is dead
-    request_timeout: float = 600.0  # the longest any reply may take (barriers wait for slow trainers)
-    retry_after: float = 2.0  # resend a request the server says it does not hold after this long
-    max_message_bytes: int = 1 << 34  # ZeroMQ drops larger messages and their sender's connection
-    security: Security | None = None
-    insecure: bool = False  # allow serving non-loopback addresses without CURVE
-    # Trainers are disposable (a coordinator hands out the data): pservers evict a trainer
-    # that goes silent and let a restarted one rejoin, instead of failing the job.
-    elastic: bool = False
-
-    def with_(self, **changes: Any) -> RpcSettings:
-        from dataclasses import replace
-
-        return replace(self, **changes)
-
-
-def zmq_address(endpoint: str) -> str:
-    """'host:port' -> 'tcp://host:port'; tcp://, ipc:// and inproc:// pass through."""
-    if endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        return endpoint
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or "/" in host:  # "/": another scheme (udp://h:1)
-        raise TransportError(
-            f"endpoint {endpoint!r} is neither host:port nor a tcp://, ipc:// or inproc:// address"
-        )
-    return f"tcp://{'127.0.0.1' if host == 'localhost' else host}:{port}"
 
 
 def _common_options(socket: zmq.Socket, settings: RpcSettings) -> None:

@@ -83,7 +83,7 @@ def main() -> None:
             for s in t.plan.slices
             if s.endpoint == role.current_endpoint
         ]
-        stats = exe.runtime.servers[0].stats()
+        stats = exe.runtime.pserver_loops[0].stats()
         (out / f"pserver.{role.pserver_index}.json").write_text(json.dumps(stats | {"slices": held}))
         return
 

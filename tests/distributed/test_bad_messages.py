@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,13 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from rpc_harness import free_port
 
 import fluidps
 from fluidps import layers, optimizer
 from fluidps.errors import TransportError
-from fluidps.executor.runtime import settings_from_env
+from fluidps.executor.env import rpc_settings_from_env
 from fluidps.executor.transport import wire_pb2 as pb
-from fluidps.executor.transport.rpc import RpcClient, RpcSettings
+from fluidps.executor.transport.rpc import RpcClient
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
 from fluidps.ir.types import VarType
 from fluidps.ops.selected_rows import SelectedRows
@@ -35,12 +36,6 @@ READY = " ready on "
 WAIT = 30.0  # seconds: the bound of every wait for an answer
 MAX_BYTES = 100_000
 SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
@@ -67,7 +62,7 @@ def _pserver(
     """A one-pserver sync job: the pserver as a `fluidps serve` process (its output in a
     log file), stopped by its pid; yields (process, endpoint, transpiler)."""
     main, startup, _ = _model()
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8))
     t.transpile(0, main, endpoint, trainers=1, startup_program=startup)
     ps_main, ps_startup = t.get_pserver_programs(endpoint)
@@ -244,7 +239,7 @@ def test_a_pserver_rejects_bad_messages_and_goes_on_serving(tmp_path):
 
             # A real trainer: the startup pulls the parameters, then it trains as local training does.
             main, startup, loss = _model()
-            exe = fluidps.Executor(rpc_settings=SETTINGS)
+            exe = fluidps.Executor(runtime_config=fluidps.RuntimeConfig(rpc=SETTINGS))
             closed = False
             try:
                 exe.run(t.get_trainer_startup_program())
@@ -273,18 +268,18 @@ def test_a_pserver_rejects_bad_messages_and_goes_on_serving(tmp_path):
 )
 def test_an_invalid_max_message_bytes_is_refused_naming_the_variable(value):
     with pytest.raises(TransportError, match=f"FLUIDPS_MAX_MESSAGE_BYTES={value!r} is invalid"):
-        settings_from_env({"FLUIDPS_MAX_MESSAGE_BYTES": value})
+        rpc_settings_from_env({"FLUIDPS_MAX_MESSAGE_BYTES": value})
 
 
 def test_a_valid_max_message_bytes_is_used():
     for value in (1, MAX_BYTES, 1 << 40):
-        assert settings_from_env({"FLUIDPS_MAX_MESSAGE_BYTES": str(value)}).max_message_bytes == value
-    assert settings_from_env({}).max_message_bytes == RpcSettings().max_message_bytes
+        assert rpc_settings_from_env({"FLUIDPS_MAX_MESSAGE_BYTES": str(value)}).max_message_bytes == value
+    assert rpc_settings_from_env({}).max_message_bytes == RpcSettings().max_message_bytes
 
 
 def test_serve_with_an_invalid_max_message_bytes_exits_naming_it(tmp_path):
     main, startup, _ = _model()
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8))
     t.transpile(0, main, endpoint, trainers=1, startup_program=startup)
     ps_main, ps_startup = t.get_pserver_programs(endpoint)

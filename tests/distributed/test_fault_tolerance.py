@@ -254,9 +254,10 @@ def test_a_task_that_crashes_its_trainer_every_time_is_discarded_and_the_job_fin
 def test_a_pserver_sent_sigterm_checkpoints_and_dies_of_it(tmp_path):
     """A pserver process running the Fluid way (listen_and_serv in its main thread), with a
     checkpoint directory, saves a checkpoint when it gets SIGTERM, then exits by it."""
-    from fluidps.executor.launch.launcher import job_environments, pick_ports
+    from fluidps.endpoints import pick_free_ports
+    from fluidps.executor.launch.launcher import job_environments
 
-    ports = pick_ports("127.0.0.1", 1)
+    ports = pick_free_ports("127.0.0.1", 1)
     env = os.environ | {"FLUIDPS_PEER_TIMEOUT": "5"}
     extra = {"FLUIDPS_CHECKPOINT_DIR": str(tmp_path / "ckpt")}  # as `fluidps launch --dataset` sets it
     procs: dict[str, subprocess.Popen] = {}

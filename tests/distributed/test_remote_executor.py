@@ -197,7 +197,8 @@ def test_a_killed_trainer_fails_the_step_within_seconds_and_close_cleans_up():
         start = time.monotonic()
         with pytest.raises(fluidps.ExecutionError, match=r"trainer 1.*(exited|not answered)") as failure:
             exe.run(main, feed=batches[1], fetch_list=[loss])
-        assert time.monotonic() - start < 30
+        # a hang guard, not a speed claim: the 2 s peer timeout, not the 600 s request timeout, ended it
+        assert time.monotonic() - start < exe.job.rpc_settings().request_timeout / 10
         assert "status -9" in str(failure.value)  # the dead process and how it died
         with pytest.raises(fluidps.ExecutionError, match="failed earlier"):
             exe.run(main, feed=batches[2], fetch_list=[loss])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import select
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from rpc_harness import free_port
 
 import fluidps
 from fluidps import layers, optimizer
@@ -20,12 +20,6 @@ from helpers import stop_group
 
 FLUIDPS = [sys.executable, "-m", "fluidps"]
 READY = " ready on "
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -108,7 +102,7 @@ def test_running_encrypted_servers_serve_one_job_after_another(tmp_path):
                 mode=mode,
                 pserver_servers=[ps_address],
                 trainer_servers=[tr_address],
-                pserver_endpoints=[f"127.0.0.1:{_free_port()}"],
+                pserver_endpoints=[f"127.0.0.1:{free_port()}"],
                 keys_dir=str(keys),
             )
             with fluidps.RemoteExecutor(job) as exe:
@@ -129,7 +123,7 @@ def test_serve_runs_a_pserver_from_transpiled_files(tmp_path):
     main, startup, loss = _model()
     (tmp_path / "main.pb").write_bytes(main.serialize_to_string())
     (tmp_path / "startup.pb").write_bytes(startup.serialize_to_string())
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     files = [str(tmp_path / "main.pb"), "--startup", str(tmp_path / "startup.pb")]
     done = subprocess.run(
         [*FLUIDPS, "transpile", *files, "--pservers", endpoint, "-o", str(tmp_path / "job")],

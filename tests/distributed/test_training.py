@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 import fluidps
-from fluidps.executor.launch.launcher import Launcher, job_environments, pick_ports
+from fluidps.endpoints import pick_free_ports
+from fluidps.executor.launch.launcher import Launcher, job_environments
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -300,7 +301,7 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 
 def test_killed_pserver_fails_the_trainers_naming_it(tmp_path):
-    ports = pick_ports("127.0.0.1", 2)
+    ports = pick_free_ports("127.0.0.1", 2)
     env = os.environ | {"FLUIDPS_PEER_TIMEOUT": str(PEER_TIMEOUT)}
     jobs = job_environments("127.0.0.1", ports, 2, "sync", env)
     procs: dict[str, subprocess.Popen] = {}

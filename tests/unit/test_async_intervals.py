@@ -23,7 +23,7 @@ from job_harness import PserverThreads
 
 import fluidps
 from fluidps import layers
-from fluidps.executor.transport.rpc import RpcSettings
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.ops.selected_rows import SelectedRows
 
 SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
@@ -79,7 +79,7 @@ def copy_value(value: Any) -> Any:
 
 
 class Recorder:
-    """Wraps what a trainer Runtime puts on the wire, gradients pushed and parameters
+    """Wraps what a trainer's client puts on the wire, gradients pushed and parameters
     pulled: (step, items) of every exchange."""
 
     def __init__(self, runtime):
@@ -139,8 +139,8 @@ def run_job(kind: str, n: int, m: int, fetch_lists: Callable[[int, list], list] 
     assert {s.endpoint for s in job.plan.slices} == set(eps)  # both pservers own slices
     assert any(len(job.plan.slices_of(p)) > 1 for p in params)  # and a parameter is cut in two
     servers = PserverThreads(t, eps, SETTINGS, wait=WAIT)
-    exe = fluidps.Executor(rpc_settings=SETTINGS)
-    recorder = Recorder(exe.runtime)
+    exe = servers.trainer_executor()
+    recorder = Recorder(exe.runtime.trainer)
     try:
         exe.run(t.get_trainer_startup_program())
         job.used[1] = {p: np.array(exe.scope[p], copy=True) for p in params}
@@ -346,15 +346,17 @@ def test_gradients_queued_when_the_trainer_completes_are_still_applied():
     main, _, loss, eps, t = transpile("dense", 1, 10)
     params = [p.name for p in main.all_parameters()]
     servers = PserverThreads(t, eps, SETTINGS, wait=WAIT)
-    exe = fluidps.Executor(rpc_settings=SETTINGS)
-    recorder = Recorder(exe.runtime)
+    exe = servers.trainer_executor()
+    recorder = Recorder(exe.runtime.trainer)
     held: list[threading.Lock] = []
     problems: list[str] = ["not closed"]
     try:
         exe.run(t.get_trainer_startup_program())
         initial = {p: np.array(exe.scope[p], copy=True) for p in params}
         loops = {ep: servers.server(ep) for ep in eps}  # they outlive their executors' runtimes
-        queues = {g: servers.executors[ep].runtime.queue(g) for ep in eps for g in loops[ep].grad_block}
+        queues = {
+            g: servers.executors[ep].runtime.pserver.queue(g) for ep in eps for g in loops[ep].grad_block
+        }
         trainer = t.get_trainer_program()
         exe.run(trainer, feed=batch("dense", 1), fetch_list=[loss])  # step 1: SEND (no GET: recv_interval 10)
         for ep in eps:
@@ -368,10 +370,10 @@ def test_gradients_queued_when_the_trainer_completes_are_still_applied():
         assert [s for s, _ in recorder.sends] == [1, 2, 3] and [s for s, _, _ in recorder.gets] == [0]
         problems = exe.close()  # COMPLETE: every SEND was acknowledged before it
         deadline = time.monotonic() + WAIT
-        # Private, but the one observable moment: the loops ended and stopped their workers.
-        while not all(loop._stop.is_set() for loop in loops.values()) and time.monotonic() < deadline:
+        # The loops stop taking requests, then finish (workers held: queued gradients wait).
+        while not all(loop.ended.is_set() for loop in loops.values()) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert all(loop._stop.is_set() for loop in loops.values()), "the pserver loops did not end"
+        assert all(loop.ended.is_set() for loop in loops.values()), "the pserver loops did not end"
     finally:
         for lock in held:
             lock.release()

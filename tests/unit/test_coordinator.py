@@ -14,7 +14,8 @@ import zmq
 
 from fluidps.errors import RemoteError
 from fluidps.executor.tasks.coordinator import Coordinator
-from fluidps.executor.transport.rpc import RpcClient, RpcSettings
+from fluidps.executor.transport.rpc import RpcClient
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import Dataset
 

@@ -1,21 +1,21 @@
 """Request / reply over ROUTER and DEALER sockets, on tcp 127.0.0.1, ipc:// and inproc://:
 replies, the reply cache, resends, malformed and oversized messages, addresses.
 
-Servers run on threads (rpc_harness); timing checks are "fails within a bound"
-liveness checks only, with generous slack for a loaded machine.
+Servers run on threads (rpc_harness); tests assert events and their order, never
+durations: every wait is bounded only as a guard against a hang.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
-from rpc_harness import FAST, SLACK, endpoint_for, lose_requests, receive_until, recv
+from rpc_harness import FAST, endpoint_for, lose_requests, receive_until, recv
 
+from fluidps.endpoints import zmq_address
 from fluidps.errors import RemoteError, TransportError
-from fluidps.executor.transport.rpc import Request, RpcClient, zmq_address
+from fluidps.executor.transport.rpc import Request, RpcClient
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
 
 # -- request / reply -----------------------------------------------------------------------
@@ -156,10 +156,9 @@ def test_oversized_message_is_dropped_and_the_server_keeps_serving(net, kind, tm
     big = net.client(endpoint, FAST.with_(request_timeout=2.0))
     rid = big.request(Message(Kind.SEND, tensors={"x": np.zeros(16384, "float32")}))
     assert small.call(Message(Kind.GET, text="during")).text == "during"
-    start = time.monotonic()
-    with pytest.raises(TransportError, match=r"did not answer SEND|has not answered"):
+    # it fails (the 2 s request timeout, or the peer timeout if the connection stays down), not hangs
+    with pytest.raises(TransportError, match=r"did not answer SEND within 2 s|has not answered"):
         big.wait(rid)
-    assert time.monotonic() - start < 2.0 + SLACK
     assert small.call(Message(Kind.GET, text="after")).text == "after"
     assert all(not m.tensors for m in harness.delivered)  # the big one never arrived
     # the big client's connection comes back: small messages get through again

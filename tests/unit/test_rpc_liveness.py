@@ -2,7 +2,8 @@
 peer timeout, restarts by their incarnation, slow replies are kept alive by heartbeats,
 timeouts are honoured, and requests given up on are forgotten.
 
-Timing checks are "fails within a bound" liveness checks, with generous slack.
+Timing checks assert which path ended a wait (the error raised); upper bounds are only
+hang guards, far below the long timeout a broken path would run into (rpc_harness.LONG).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 import pytest
 import zmq
-from rpc_harness import DEAD, FAST, SLACK, TRANSPORTS, endpoint_for, lose_requests, recv
+from rpc_harness import DEAD, FAST, LONG, NOT_HUNG, TRANSPORTS, endpoint_for, lose_requests, recv
 
 from fluidps.errors import PeerLostError, RemoteError, TransportError
 from fluidps.executor.transport.rpc import wait_all
@@ -27,7 +28,8 @@ def test_client_talking_to_nothing_raises_peer_lost_naming_the_peer(net, endpoin
     with pytest.raises(PeerLostError, match=r"pserver 3 \(.+\) has not answered for"):
         client.call(Message(Kind.GET))
     elapsed = time.monotonic() - start
-    assert DEAD.peer_timeout <= elapsed < DEAD.peer_timeout + SLACK
+    # not before the peer timeout; PeerLostError (not the LONG request timeout) ended it
+    assert DEAD.peer_timeout <= elapsed < NOT_HUNG
     with pytest.raises(PeerLostError, match=re.escape(f"({endpoint})")):
         client.call(Message(Kind.GET))
 
@@ -38,9 +40,9 @@ def test_server_that_stops_answering_is_reported_within_the_peer_timeout(net, en
     assert client.call(Message(Kind.GET, text="up")).text == "up"
     harness.pause()  # hung: the socket is open, nothing answers
     start = time.monotonic()
-    with pytest.raises(PeerLostError, match="pserver 0"):
+    with pytest.raises(PeerLostError, match=r"pserver 0 \(.+\) has not answered for"):
         client.call(Message(Kind.GET))
-    assert time.monotonic() - start < DEAD.peer_timeout + SLACK
+    assert time.monotonic() - start < NOT_HUNG  # the peer timeout, not the LONG request timeout
 
 
 def test_server_that_closes_is_reported_within_the_peer_timeout(net, endpoint):
@@ -53,9 +55,9 @@ def test_server_that_closes_is_reported_within_the_peer_timeout(net, endpoint):
         time.sleep(0.01)
     harness.close()
     start = time.monotonic()
-    with pytest.raises(PeerLostError, match="pserver 0"):
+    with pytest.raises(PeerLostError, match=r"pserver 0 \(.+\) has not answered for"):
         client.wait(rid)
-    assert time.monotonic() - start < DEAD.peer_timeout + SLACK
+    assert time.monotonic() - start < NOT_HUNG  # the peer timeout, not the LONG request timeout
 
 
 def test_heartbeats_keep_a_slow_request_alive_past_the_peer_timeout(net, endpoint):
@@ -92,9 +94,9 @@ def test_inproc_server_restart_is_reported_not_a_hang(net):
     first.close()
     net.serve(endpoint)
     start = time.monotonic()
-    with pytest.raises(PeerLostError):
+    with pytest.raises(PeerLostError, match="has not answered for"):
         client.call(Message(Kind.GET))
-    assert time.monotonic() - start < DEAD.peer_timeout + SLACK
+    assert time.monotonic() - start < NOT_HUNG  # the peer timeout, not the LONG request timeout
 
 
 def test_server_rejects_a_stale_incarnation(net, endpoint):
@@ -114,7 +116,8 @@ def test_request_timeout_is_honoured_while_the_server_lives(net, endpoint):
     with pytest.raises(TransportError, match=r"pserver 2 .*did not answer GET within 1 s") as info:
         client.call(Message(Kind.GET))
     assert not isinstance(info.value, PeerLostError)
-    assert 1.0 <= time.monotonic() - start < 1.0 + SLACK
+    # not before the limit; the message shows the 1 s request timeout, not the peer timeout, ended it
+    assert time.monotonic() - start >= 1.0
     rid = client.request(Message(Kind.SEND))
     with pytest.raises(TransportError, match="did not answer SEND within"):
         client.wait(rid, timeout=0.3)
@@ -157,9 +160,10 @@ def test_wait_all_reports_a_dead_server_without_waiting_for_the_others(net, tmp_
     net.serve(live, handler=lambda request: None)  # a barrier that never opens
     clients = {"live": net.client(live, DEAD, "pserver 0"), "dead": net.client(dead, DEAD, "pserver 1")}
     start = time.monotonic()
-    with pytest.raises(PeerLostError, match="pserver 1"):
+    with pytest.raises(PeerLostError, match=r"pserver 1 \(.+\) has not answered for"):
         wait_all({k: (c, c.request(Message(Kind.SEND_BARRIER))) for k, c in clients.items()})
-    assert time.monotonic() - start < DEAD.peer_timeout + SLACK
+    # waiting for pserver 0 would end in the LONG request timeout, as a TransportError
+    assert time.monotonic() - start < NOT_HUNG
 
 
 def test_wait_all_timeout_names_the_silent_servers(net, tmp_path):
@@ -168,6 +172,7 @@ def test_wait_all_timeout_names_the_silent_servers(net, tmp_path):
     net.serve(slow, handler=lambda request: None)
     clients = [net.client(quick, peer="pserver 0"), net.client(slow, peer="pserver 1")]
     pending = {i: (c, c.request(Message(Kind.GET))) for i, c in enumerate(clients)}
+    assert clients[0]._socket.poll(10_000)  # pserver 0's reply is in: only pserver 1 can be silent
     with pytest.raises(TransportError, match=r"^pserver 1 did not answer within 0\.5 s$"):
         wait_all(pending, timeout=0.5)
     assert not clients[1]._sent  # forgotten: never resent
@@ -190,8 +195,8 @@ def test_receive_returns_early_when_woken(net, endpoint):
     net.sockets += [pull, push]
     push.send(b"")
     start = time.monotonic()
-    assert server.receive(30.0, wake=pull) == []
-    assert time.monotonic() - start < SLACK  # the wake message, not the 30 s timeout, ended it
+    assert server.receive(LONG, wake=pull) == []
+    assert time.monotonic() - start < NOT_HUNG  # the wake message, not the LONG timeout, ended it
     assert not pull.poll(0)  # consumed
     dealer = net.raw(endpoint)
     dealer.send_multipart(encode(Message(Kind.GET, request_id=1)))

@@ -1,4 +1,5 @@
-"""role_from_env: the environment contract a training script reads to learn its role."""
+"""The environment contract: role_from_env (a training script's role in a job) and
+runtime_config_from_env (how its runtime talks to the others)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import dataclasses
 import pytest
 
 import fluidps
-from fluidps.errors import BuilderError
-from fluidps.executor.launch.env import RoleInfo, format_endpoint, parse_endpoints, role_from_env
+from fluidps.errors import BuilderError, CheckpointError, TransportError
+from fluidps.executor.env import RoleInfo, role_from_env, rpc_settings_from_env, runtime_config_from_env
+from fluidps.executor.ps.checkpointer import CheckpointOverrides
+from fluidps.executor.runtime import RuntimeConfig
+from fluidps.executor.transport.security import Security, generate_keys
+from fluidps.executor.transport.settings import RpcSettings
 
 EPS = "127.0.0.1:6170,127.0.0.1:6171"
 
@@ -69,7 +74,6 @@ def test_ipv6():
     env = pserver_env(PADDLE_PSERVERS_IP_PORT_LIST="[::1]:6170", POD_IP="::1", PADDLE_PORT="6170")
     info = role_from_env(env)
     assert info.current_endpoint == "[::1]:6170" and info.pserver_index == 0
-    assert format_endpoint("::1", 5) == "[::1]:5" and format_endpoint("h", 5) == "h:5"
 
 
 def test_role_info_is_frozen_and_exported():
@@ -93,11 +97,8 @@ def test_role_info_is_frozen_and_exported():
         (trainer_env(PADDLE_TRAINER_ID="2"), "PADDLE_TRAINER_ID", "from 0 to 1"),
         (trainer_env(PADDLE_TRAINER_ID="-1"), "PADDLE_TRAINER_ID", "rank"),
         (trainer_env(PADDLE_PSERVERS_IP_PORT_LIST=None), "PADDLE_PSERVERS_IP_PORT_LIST", "host:port"),
-        (trainer_env(PADDLE_PSERVERS_IP_PORT_LIST="a:1,"), "PADDLE_PSERVERS_IP_PORT_LIST", "bad endpoint"),
-        (trainer_env(PADDLE_PSERVERS_IP_PORT_LIST="a"), "PADDLE_PSERVERS_IP_PORT_LIST", "host:port"),
-        (trainer_env(PADDLE_PSERVERS_IP_PORT_LIST=":80"), "PADDLE_PSERVERS_IP_PORT_LIST", "host:port"),
-        (trainer_env(PADDLE_PSERVERS_IP_PORT_LIST="a:0"), "PADDLE_PSERVERS_IP_PORT_LIST", "host:port"),
-        (trainer_env(PADDLE_PSERVERS_IP_PORT_LIST="a:70000"), "PADDLE_PSERVERS_IP_PORT_LIST", "host:port"),
+        # What an endpoint may be is tested in test_endpoints.py; here, that the variable is named.
+        (trainer_env(PADDLE_PSERVERS_IP_PORT_LIST="a:1,"), "PADDLE_PSERVERS_IP_PORT_LIST", "bad endpoint ''"),
         (trainer_env(PADDLE_PSERVERS_IP_PORT_LIST="a:1,a:1"), "PADDLE_PSERVERS_IP_PORT_LIST", "twice"),
         (trainer_env(FLUIDPS_MODE="fast"), "FLUIDPS_MODE", "sync, async, ssp"),
         (pserver_env(POD_IP=None), "POD_IP", "host or IP address"),
@@ -120,7 +121,63 @@ def test_trainer_ignores_pserver_variables():
     assert info.current_endpoint is None
 
 
-def test_parse_endpoints():
-    assert parse_endpoints("h:1,[::1]:2") == ("h:1", "[::1]:2")
-    with pytest.raises(BuilderError, match="MY_VAR"):
-        parse_endpoints("nope", name="MY_VAR")
+# -- the runtime's configuration ------------------------------------------------------------
+
+
+def test_rpc_settings_from_env(tmp_path):
+    assert rpc_settings_from_env({}) == RpcSettings()
+    settings = rpc_settings_from_env(
+        {"FLUIDPS_PEER_TIMEOUT": "2.5", "FLUIDPS_REQUEST_TIMEOUT": "30", "FLUIDPS_INSECURE": "1"}
+    )
+    assert (settings.peer_timeout, settings.request_timeout, settings.insecure) == (2.5, 30.0, True)
+    assert settings.security is None and not settings.elastic
+    assert not rpc_settings_from_env({"FLUIDPS_INSECURE": "0"}).insecure
+    assert rpc_settings_from_env({"FLUIDPS_ELASTIC": "1"}).elastic
+    assert rpc_settings_from_env({"FLUIDPS_KEYS": ""}).security is None
+    keys = generate_keys(tmp_path / "keys")
+    assert rpc_settings_from_env({"FLUIDPS_KEYS": str(keys)}).security == Security(keys)
+    with pytest.raises(TransportError, match="is not a fluidps key directory"):
+        rpc_settings_from_env({"FLUIDPS_KEYS": str(tmp_path)})
+    for bad in ("abc", "", "0", "-1", "nan", "inf"):
+        with pytest.raises(TransportError, match=f"FLUIDPS_PEER_TIMEOUT='{bad}' is invalid"):
+            rpc_settings_from_env({"FLUIDPS_PEER_TIMEOUT": bad})
+
+
+def test_runtime_config_from_env():
+    assert runtime_config_from_env({}) == RuntimeConfig()
+    config = runtime_config_from_env(
+        {
+            "FLUIDPS_COORDINATOR": "tcp://127.0.0.1:7000",
+            "FLUIDPS_REQUEST_TIMEOUT": "7",
+            "FLUIDPS_CHECKPOINT_DIR": "/tmp/ckpt",
+            "FLUIDPS_CHECKPOINT_EVERY_STEPS": "5",
+            "FLUIDPS_CHECKPOINT_EVERY_SECONDS": "2.5",
+            "FLUIDPS_CHECKPOINT_KEEP": "4",
+        }
+    )
+    assert config.coordinator == "tcp://127.0.0.1:7000" and config.rpc.request_timeout == 7.0
+    assert config.checkpoints == CheckpointOverrides("/tmp/ckpt", 5, 2.5, 4)
+    assert (
+        runtime_config_from_env({"FLUIDPS_CHECKPOINT_EVERY_STEPS": ""}).checkpoints == CheckpointOverrides()
+    )
+    for name, bad in [
+        ("FLUIDPS_CHECKPOINT_EVERY_STEPS", "1.5"),
+        ("FLUIDPS_CHECKPOINT_EVERY_STEPS", "-1"),
+        ("FLUIDPS_CHECKPOINT_EVERY_SECONDS", "soon"),
+        ("FLUIDPS_CHECKPOINT_EVERY_SECONDS", "inf"),
+        ("FLUIDPS_CHECKPOINT_KEEP", "0"),
+    ]:
+        with pytest.raises(CheckpointError, match=f"{name}='{bad}' is invalid"):
+            runtime_config_from_env({name: bad})
+
+
+def test_an_executor_without_a_config_reads_the_environment_when_a_program_needs_its_runtime(monkeypatch):
+    monkeypatch.setenv("FLUIDPS_REQUEST_TIMEOUT", "7")
+    monkeypatch.setenv("FLUIDPS_COORDINATOR", "tcp://127.0.0.1:7000")
+    exe = fluidps.Executor()
+    assert not exe.has_runtime  # nothing is read until a program needs it
+    assert exe.runtime.settings.request_timeout == 7.0
+    assert exe.runtime.readers.coordinator == "tcp://127.0.0.1:7000"
+    given = fluidps.Executor(runtime_config=RuntimeConfig())
+    assert given.runtime.settings.request_timeout == RpcSettings().request_timeout  # a config given wins
+    assert exe.close() == [] and given.close() == []

@@ -6,23 +6,42 @@ manifests runs unchanged:
   TRAINING_ROLE                 PSERVER or TRAINER
   PADDLE_TRAINER_ID             this trainer's rank, 0 .. PADDLE_TRAINERS_NUM - 1
   PADDLE_TRAINERS_NUM           how many trainers the job has
-  PADDLE_PSERVERS_IP_PORT_LIST  every pserver's endpoint, comma-separated host:port
+  PADDLE_PSERVERS_IP_PORT_LIST  every pserver's endpoint, comma-separated host:port (or a
+                                ZeroMQ address: the forms fluidps.endpoints describes)
   POD_IP, PADDLE_PORT           a pserver's own address (its endpoint is POD_IP:PADDLE_PORT)
   FLUIDPS_MODE                  sync (default), async or ssp
   FLUIDPS_DATASET               the dataset the trainers read, in a job with a coordinator
   FLUIDPS_COORDINATOR           the coordinator's address, where readers get their tasks
 
-`fluidps launch` sets them for every process it starts.
+`fluidps launch` sets them for every process it starts. These configure how a
+process's runtime talks to the others (`runtime_config_from_env`; an Executor
+given no RuntimeConfig reads them when a program first needs its runtime):
+
+  FLUIDPS_PEER_TIMEOUT          seconds of silence after which a peer is dead
+  FLUIDPS_REQUEST_TIMEOUT       seconds any reply may take
+  FLUIDPS_MAX_MESSAGE_BYTES     the largest message accepted
+  FLUIDPS_KEYS, FLUIDPS_INSECURE  CURVE keys (fluidps keys gen); serve non-loopback in the clear
+  FLUIDPS_ELASTIC               1: trainers are disposable (pservers evict and readmit them)
+  FLUIDPS_CHECKPOINT_DIR, FLUIDPS_CHECKPOINT_EVERY_STEPS, FLUIDPS_CHECKPOINT_EVERY_SECONDS,
+  FLUIDPS_CHECKPOINT_KEEP       every pserver's checkpoints, instead of its program's settings
+
+Only this module, the CLI and the launcher read the environment; the objects they
+configure are given their configuration.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fluidps.errors import BuilderError
+from fluidps.endpoints import format_endpoint, parse_endpoints
+from fluidps.errors import BuilderError, CheckpointError, TransportError
+from fluidps.executor.ps.checkpointer import CheckpointOverrides
+from fluidps.executor.runtime import RuntimeConfig
+from fluidps.executor.transport.settings import RpcSettings
 from fluidps.transpiler.config import MODES
 
 ROLES = ("PSERVER", "TRAINER")
@@ -79,13 +98,6 @@ class RoleInfo:
         return self.pserver_endpoints.index(self.current_endpoint)
 
 
-def format_endpoint(host: str, port: int) -> str:
-    """host:port, with an IPv6 literal bracketed so the port stays unambiguous."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
 def _get(env: Mapping[str, str], name: str, what: str) -> str:
     value = env.get(name, "").strip()
     if not value:
@@ -102,28 +114,6 @@ def _int(env: Mapping[str, str], name: str, what: str, low: int, high: int | Non
     return value
 
 
-def _port(text: str) -> int | None:
-    if not _DIGITS.fullmatch(text):
-        return None
-    port = int(text)
-    return port if 1 <= port <= 65535 else None
-
-
-def parse_endpoints(text: str, name: str = "PADDLE_PSERVERS_IP_PORT_LIST") -> tuple[str, ...]:
-    """Comma-separated host:port endpoints, each checked, none repeated."""
-    what = "comma-separated pserver endpoints host:port, e.g. 127.0.0.1:6170,127.0.0.1:6171"
-    endpoints = []
-    for item in text.split(","):
-        ep = item.strip()
-        host, sep, port = ep.rpartition(":")
-        if not sep or not host or _port(port) is None or host in ("[", "[]"):
-            raise BuilderError(f"{name} has a bad endpoint {ep!r}: it should hold {what}")
-        if ep in endpoints:
-            raise BuilderError(f"{name} lists {ep} twice: each pserver needs its own endpoint")
-        endpoints.append(ep)
-    return tuple(endpoints)
-
-
 def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     """Read this process's role from the environment (os.environ unless given).
 
@@ -136,7 +126,8 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
         raise BuilderError(f"TRAINING_ROLE={role!r} is invalid: it should hold PSERVER or TRAINER")
     trainers = _int(env, "PADDLE_TRAINERS_NUM", "the number of trainers, an integer >= 1", 1)
     endpoints = parse_endpoints(
-        _get(env, "PADDLE_PSERVERS_IP_PORT_LIST", "comma-separated pserver endpoints host:port")
+        _get(env, "PADDLE_PSERVERS_IP_PORT_LIST", "comma-separated pserver endpoints host:port"),
+        "PADDLE_PSERVERS_IP_PORT_LIST",
     )
     id_what = f"this trainer's rank, an integer from 0 to {trainers - 1} (PADDLE_TRAINERS_NUM - 1)"
     mode = env.get("FLUIDPS_MODE", "").strip() or "sync"
@@ -154,3 +145,77 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     pod_ip = _get(env, "POD_IP", "this pserver's host or IP address")
     port = _int(env, "PADDLE_PORT", "this pserver's TCP port, an integer from 1 to 65535", 1, 65535)
     return RoleInfo(role, trainer_id, trainers, endpoints, format_endpoint(pod_ip, port), mode, dataset)
+
+
+# -- what a process's runtime takes from the environment -----------------------------------
+
+
+def rpc_settings_from_env(environ: Mapping[str, str] | None = None) -> RpcSettings:
+    """RpcSettings from FLUIDPS_PEER_TIMEOUT, FLUIDPS_REQUEST_TIMEOUT, FLUIDPS_MAX_MESSAGE_BYTES,
+    FLUIDPS_KEYS, FLUIDPS_INSECURE and FLUIDPS_ELASTIC (os.environ unless given)."""
+    env = os.environ if environ is None else environ
+    settings = RpcSettings()
+    if "FLUIDPS_PEER_TIMEOUT" in env:
+        settings = settings.with_(peer_timeout=_seconds(env, "FLUIDPS_PEER_TIMEOUT"))
+    if "FLUIDPS_REQUEST_TIMEOUT" in env:
+        settings = settings.with_(request_timeout=_seconds(env, "FLUIDPS_REQUEST_TIMEOUT"))
+    if "FLUIDPS_MAX_MESSAGE_BYTES" in env:
+        text = env["FLUIDPS_MAX_MESSAGE_BYTES"]
+        if not (_DIGITS.fullmatch(text) and 0 < int(text) <= 1 << 40):
+            raise TransportError(
+                f"FLUIDPS_MAX_MESSAGE_BYTES={text!r} is invalid: it should hold a number of bytes, 1 .. 2**40"
+            )
+        settings = settings.with_(max_message_bytes=int(text))
+    if env.get("FLUIDPS_ELASTIC") == "1":
+        settings = settings.with_(elastic=True)
+    if env.get("FLUIDPS_KEYS"):
+        from fluidps.executor.transport.security import Security  # loads ZeroMQ: only with keys
+
+        settings = settings.with_(security=Security.from_dir(env["FLUIDPS_KEYS"]))
+    if env.get("FLUIDPS_INSECURE") == "1":
+        settings = settings.with_(insecure=True)
+    return settings
+
+
+def runtime_config_from_env(environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+    """A process's RuntimeConfig: its RpcSettings, FLUIDPS_COORDINATOR and the
+    FLUIDPS_CHECKPOINT_* overrides (os.environ unless given)."""
+    env = os.environ if environ is None else environ
+    return RuntimeConfig(
+        rpc=rpc_settings_from_env(env),
+        coordinator=env.get("FLUIDPS_COORDINATOR", "").strip() or None,
+        checkpoints=checkpoint_overrides_from_env(env),
+    )
+
+
+def checkpoint_overrides_from_env(environ: Mapping[str, str] | None = None) -> CheckpointOverrides:
+    env = os.environ if environ is None else environ
+
+    def number(name: str, parse: type, low: float) -> int | float | None:
+        text = env.get(name, "").strip()
+        if not text:
+            return None
+        try:
+            value = parse(text)
+        except ValueError:
+            value = math.nan
+        if not value >= low or not math.isfinite(value):
+            raise CheckpointError(f"{name}={text!r} is invalid: it should hold a number >= {low:g}")
+        return value
+
+    return CheckpointOverrides(
+        directory=env.get("FLUIDPS_CHECKPOINT_DIR", "").strip() or None,
+        every_steps=number("FLUIDPS_CHECKPOINT_EVERY_STEPS", int, 0),
+        every_seconds=number("FLUIDPS_CHECKPOINT_EVERY_SECONDS", float, 0),
+        keep=number("FLUIDPS_CHECKPOINT_KEEP", int, 1),
+    )
+
+
+def _seconds(env: Mapping[str, str], name: str) -> float:
+    try:
+        value = float(env[name])
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise TransportError(f"{name}={env[name]!r} is invalid: it should hold a positive number of seconds")
+    return value

@@ -1,0 +1,83 @@
+"""The pserver loops one process serves, and the gradient queues their blocks share.
+
+The kernels of listen_and_serv, enqueue and dequeue call it (as
+fluidps.ops.runtime_api's PserverHost). Each listen_and_serv runs a
+ParameterServer loop until its trainers are done; the loops stay listed after
+they end, so that their stats can still be read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from fluidps.errors import TransportError
+from fluidps.executor.ps.checkpointer import CheckpointOverrides
+from fluidps.executor.ps.parameter_server import ParameterServer
+from fluidps.executor.transport.settings import RpcSettings
+from fluidps.ir.operator import Operator
+from fluidps.ir.program import Block
+
+if TYPE_CHECKING:
+    from fluidps.executor.block_runner import BlockRunner
+
+
+class GradientQueue:
+    """A pserver's queue of one gradient (async / SSP modes)."""
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._ready = threading.Condition()
+
+    def put(self, value: Any) -> None:
+        with self._ready:
+            self._items.append(value)
+            self._ready.notify()
+
+    def wait(self, timeout: float) -> bool:
+        """True once an item is there (within `timeout` seconds)."""
+        with self._ready:
+            return self._ready.wait_for(lambda: bool(self._items), timeout)
+
+    def pop(self) -> Any:
+        with self._ready:
+            if not self._items:
+                raise TransportError("dequeue from an empty gradient queue")
+            return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class PserverHost:
+    def __init__(
+        self,
+        settings: RpcSettings,
+        checkpoints: CheckpointOverrides,
+        context_for: Callable[[str], zmq.Context],
+        runner_for: Callable[[Block], BlockRunner],
+    ):
+        self.settings = settings
+        self.checkpoints = checkpoints
+        self.context_for = context_for  # the ZeroMQ context to serve an endpoint on
+        self.runner_for = runner_for  # a pserver's sub-blocks, built with this process's runtime
+        self.queues: dict[str, GradientQueue] = {}
+        self.loops: list[ParameterServer] = []  # every loop this process ran, ended ones too
+
+    def queue(self, name: str) -> GradientQueue:
+        return self.queues.setdefault(name, GradientQueue())
+
+    def serve(self, op: Operator, env: dict[str, Any]) -> None:
+        """Run a pserver loop (listen_and_serv) until every trainer is done."""
+        loop = ParameterServer(op, env, self)
+        self.loops.append(loop)
+        loop.serve()
+
+    def stop(self, reason: str) -> None:
+        """Make every loop still serving end (checkpointing first when it has a directory)."""
+        for loop in self.loops:
+            loop.stop(reason)

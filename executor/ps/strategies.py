@@ -1,0 +1,256 @@
+"""How a pserver applies gradients and when it answers a GET: one class per mode.
+
+- sync: trainer i's gradient of a slice lands in `<grad>.trainer_<i>`; when every
+  live trainer has sent its send_barrier for the step, the learning-rate block and
+  every optimize block run (they sum the copies and scale by 1/trainers: trainers
+  that sent nothing this step, paused or done, count as the mean of those that
+  did), and each trainer's GET is answered once the step holding its barrier is done.
+- async: each arriving gradient runs its receive block (an enqueue); one worker
+  thread per optimize block dequeues and applies gradients as they come, holding that
+  slice's lock, and GETs copy under the lock. Clocks (the steps each trainer sent)
+  drive the learning-rate schedule.
+- ssp: async, but a GET waits until the trainer's clock is at most `staleness`
+  steps ahead of the slowest live trainer's; every grant is logged.
+
+The ParameterServer loop (fluidps.executor.ps.parameter_server) owns the socket,
+the trainers' membership and the checkpoints, and calls its strategy at each event.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fluidps.executor.ps import gradients
+from fluidps.executor.ps.layered_env import LayeredEnv
+from fluidps.ops.selected_rows import SelectedRows
+
+if TYPE_CHECKING:
+    from fluidps.executor.ps.parameter_server import ParameterServer
+
+_WORKER_POLL = 0.05  # seconds an async worker waits for a gradient before checking for a stop
+
+
+class Strategy:
+    """What every mode answers; the defaults are async's."""
+
+    mode = ""
+
+    def __init__(self, ps: ParameterServer):
+        self.ps = ps
+
+    @property
+    def steps(self) -> int:
+        """Steps this pserver has counted (what checkpoints are numbered by)."""
+        raise NotImplementedError
+
+    def restore(self, step: int) -> None:
+        """Continue from a checkpoint taken at `step`."""
+
+    def start(self) -> None:
+        """The loop begins serving."""
+
+    def stop(self) -> None:
+        """The loop ends: finish what was acknowledged."""
+
+    @property
+    def failure(self) -> BaseException | None:
+        """An error of a worker thread, which ends the job."""
+        return None
+
+    def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> None:
+        """A trainer's SEND of its step `step` (tensors may be empty: a step without data)."""
+        raise NotImplementedError
+
+    def on_barrier(self, trainer: int) -> None:
+        """A trainer's send barrier (already acknowledged)."""
+
+    def on_members_changed(self) -> None:
+        """A trainer paused, finished, left or was evicted: a step may be complete now."""
+
+    def forget(self, trainer: int) -> None:
+        """A trainer's old incarnation is gone (evicted or replaced): drop what it started."""
+
+    def may_answer(self, trainer: int) -> bool:
+        """Whether a GET of `trainer` can be answered now (else it waits)."""
+        return True
+
+    def read(self, name: str) -> Any:
+        """A served value, safe to send while workers go on updating."""
+        with self.ps.locked(name):
+            return _snapshot(self.ps.env[name])
+
+    def answered(self, trainer: int) -> None:
+        """A GET of `trainer` was answered."""
+
+    def stats(self) -> dict[str, Any]:
+        return {"completed_steps": 0}
+
+
+class SyncStrategy(Strategy):
+    mode = "sync"
+
+    def __init__(self, ps: ParameterServer):
+        super().__init__(ps)
+        self.arrived: set[int] = set()  # send barriers of the current step
+        self.sent: set[int] = set()  # trainers whose gradients of the current step arrived
+        self.awaiting: dict[int, int] = {}  # the step each trainer's next GET waits for
+        self.completed = 0  # optimization steps done
+
+    @property
+    def steps(self) -> int:
+        return self.completed
+
+    def restore(self, step: int) -> None:
+        self.completed = step
+
+    def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> None:
+        for grad, value in tensors.items():
+            self.ps.env[f"{grad}.trainer_{trainer}"] = value
+            self.sent.add(trainer)
+
+    def on_barrier(self, trainer: int) -> None:
+        self.arrived.add(trainer)
+        self.awaiting[trainer] = self.completed + 1
+        self._maybe_optimize()
+
+    def on_members_changed(self) -> None:
+        self._maybe_optimize()
+
+    def forget(self, trainer: int) -> None:
+        self.arrived.discard(trainer)
+        self.awaiting.pop(trainer, None)
+
+    def may_answer(self, trainer: int) -> bool:
+        return self.completed >= self.awaiting.get(trainer, 0)
+
+    def read(self, name: str) -> Any:
+        return self.ps.env[name]  # nothing changes it until every trainer has fetched
+
+    def stats(self) -> dict[str, Any]:
+        return {"completed_steps": self.completed}
+
+    def _maybe_optimize(self) -> None:
+        ps = self.ps
+        live = ps.members.live
+        if not self.arrived or not live <= self.arrived:
+            return
+        contributors = self.arrived & self.sent
+        if contributors:
+            missing = set(range(ps.fanin)) - contributors
+            # Trainers that sent no gradients this step (paused, done, evicted, or at the
+            # barrier with no batch) count as the mean of those that did, so the optimize
+            # blocks' sum / trainers is the mean of the gradients that came.
+            for grad in ps.grad_block if missing else ():
+                mean = gradients.mean([ps.env[f"{grad}.trainer_{t}"] for t in sorted(contributors)])
+                for t in missing:
+                    ps.env[f"{grad}.trainer_{t}"] = mean
+            if ps.lr_block is not None:
+                ps.lr_block.run(ps.env)
+            for block in sorted(ps.blocks):
+                ps.blocks[block].run(ps.env)
+        self.completed += 1  # (a step nobody brought gradients to changes nothing)
+        self.arrived.clear()
+        self.sent -= contributors
+
+
+class AsyncStrategy(Strategy):
+    mode = "async"
+
+    def __init__(self, ps: ParameterServer):
+        super().__init__(ps)
+        self.max_step = 0  # the furthest clock
+        self._stop = threading.Event()
+        self._workers: list[threading.Thread] = []
+        self._failure: BaseException | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.max_step
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    def restore(self, step: int) -> None:
+        self.max_step = step
+
+    def start(self) -> None:
+        self._workers = [self._start_worker(g, b) for g, b in self.ps.grad_block.items()]
+
+    def stop(self) -> None:
+        self._stop.set()
+        for worker in self._workers:
+            worker.join(timeout=10)
+
+    def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> None:
+        ps = self.ps
+        for grad, value in tensors.items():
+            ps.blocks[ps.queue_block[grad]].run({grad: value})
+        if not ps.members.tick(trainer, step):
+            return
+        clock = ps.members.clock(trainer)
+        ps.clock_log.append({"t": time.monotonic(), "event": "clock", "trainer": trainer, "step": clock})
+        if clock > self.max_step:
+            # Without global steps, the schedule advances with the furthest trainer, a
+            # step at a time (a trainer uploading every n steps moves it n steps).
+            for _ in range(clock - self.max_step if ps.lr_block is not None else 0):
+                ps.lr_block.run(ps.env)
+            self.max_step = clock
+
+    def _start_worker(self, grad: str, block: int) -> threading.Thread:
+        ps = self.ps
+        queue, runner, lock = ps.host.queue(grad), ps.blocks[block], ps.locks[block]
+
+        def work() -> None:
+            # Until told to stop and the queue is empty: a gradient acknowledged to its
+            # trainer is applied, even when that trainer has just said it is done.
+            while True:
+                if not queue.wait(_WORKER_POLL):
+                    if self._stop.is_set():
+                        return
+                    continue
+                try:
+                    with lock:
+                        runner.run(LayeredEnv(ps.env, runner.writes))
+                except BaseException as e:  # reported by the serving loop, which stops the job
+                    self._failure = e
+                    return
+
+        thread = threading.Thread(target=work, name=f"optimize {grad}", daemon=True)
+        thread.start()
+        return thread
+
+
+class SspStrategy(AsyncStrategy):
+    mode = "ssp"
+
+    def may_answer(self, trainer: int) -> bool:
+        members = self.ps.members
+        slowest = members.slowest()
+        return slowest is None or members.clock(trainer) - slowest <= self.ps.staleness
+
+    def answered(self, trainer: int) -> None:
+        members = self.ps.members
+        clock, slowest = members.clock(trainer), members.slowest()
+        self.ps.clock_log.append(
+            {
+                "t": time.monotonic(),
+                "event": "grant",
+                "trainer": trainer,
+                "step": clock,
+                "slowest": clock if slowest is None else slowest,
+            }
+        )
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.mode: s for s in (SyncStrategy, AsyncStrategy, SspStrategy)}
+
+
+def _snapshot(value: Any) -> Any:
+    if isinstance(value, SelectedRows):
+        return value.copy()
+    return np.array(value, copy=True)

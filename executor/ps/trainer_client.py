@@ -1,0 +1,204 @@
+"""A trainer's side of a job: its connections to the pservers and its exchanges with them.
+
+The kernels of send / recv / the barriers call it (as fluidps.ops.runtime_api's
+TrainerChannel). Each call sends one message per pserver, all at once. Gradients
+and the fetch barrier are not waited for where they are sent: their
+acknowledgements are settled with the next call that needs an answer (the send
+barrier, the recv, close), so that a step costs a round trip per exchange, not per
+message. A pserver handles one trainer's messages in order, so the GET that
+follows a SEND sees it; an error in a SEND surfaces at that next call.
+
+It also keeps what async mode keeps between steps (the gradients summed for
+`send_interval`, the values pulled for `recv_interval`), so that preparing the
+program again does not reset them, and it starts the trainer's keepalive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from fluidps.errors import TransportError
+from fluidps.executor.ps.gradients import GradientSum
+from fluidps.executor.ps.keepalive import Keepalive
+from fluidps.executor.transport.rpc import RpcClient, wait_all
+from fluidps.executor.transport.settings import RpcSettings
+from fluidps.executor.transport.wire import Kind, Message
+from fluidps.ops.runtime_api import Pull, Push
+
+
+class TrainerClient:
+    def __init__(self, settings: RpcSettings, sender: int, context_for: Callable[[str], zmq.Context]):
+        self.settings = settings
+        self.sender = sender  # this process's incarnation: pservers tell a restarted trainer by it
+        self._context_for = context_for
+        self.step = 0
+        self.trainer_id = 0  # learnt from the first pserver client a trainer program opens
+        self._clients: dict[str, RpcClient] = {}
+        self._keepalive: Keepalive | None = None
+        self._unsettled: list[tuple[RpcClient, int]] = []  # requests sent without waiting
+        self._sums: dict[tuple, GradientSum] = {}  # async send_interval: gradients not yet sent
+        self._barrier_endpoints: tuple[str, ...] = ()  # sync: the pservers a step's barrier goes to
+        self._downloaded: dict[tuple, list[Any]] = {}  # async recv_interval: the last values pulled
+
+    def client(self, endpoint: str, trainer_id: int = -1) -> RpcClient:
+        if endpoint not in self._clients:
+            self._clients[endpoint] = RpcClient(
+                self._context_for(endpoint),
+                endpoint,
+                f"pserver {endpoint}",
+                self.settings,
+                trainer_id,
+                self.sender,
+            )
+            if trainer_id >= 0:
+                self.trainer_id = trainer_id
+                if self._keepalive is None:
+                    self._keepalive = Keepalive(self.settings, trainer_id, self.sender, self._context_for)
+                self._keepalive.add(endpoint)
+        return self._clients[endpoint]
+
+    def begin_step(self) -> None:
+        self.step += 1
+
+    # -- what the kernels call ----------------------------------------------------------------
+
+    def send(self, items: Sequence[Push], trainer_id: int, every: int = 1) -> None:
+        """Push (endpoint, name, value) gradients, one message per pserver, without
+        waiting (at most one step's worth is unacknowledged at a time). With every=n,
+        the mean of the gradients of n calls is pushed at every n-th call."""
+        if every > 1:
+            key = tuple((endpoint, name) for endpoint, name, _ in items)
+            total = self._sums.setdefault(key, GradientSum(trainer_id, key))
+            total.add([value for *_, value in items])
+            if total.count < every:
+                return
+            items = total.take_mean()
+        self._push(items, trainer_id)
+
+    def get(self, items: Sequence[Pull], trainer_id: int, every: int = 1) -> list[Any]:
+        """Pull (endpoint, name) values after this trainer's current step; with every=m,
+        only at steps that are multiples of m (and the first time), the last ones otherwise."""
+        key = tuple(items)
+        if every > 1 and key in self._downloaded and self.step % every:
+            return self._downloaded[key]
+        values = self._pull(items, trainer_id)
+        if every > 1:
+            self._downloaded[key] = values
+        return values
+
+    def send_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
+        """Waits for the barrier and the sends before it: the pservers have the step's gradients."""
+        self._barrier_endpoints = tuple(endpoints)
+        self._to_all(Kind.SEND_BARRIER, endpoints, trainer_id)
+
+    def fetch_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
+        """Not waited for: settled with the next exchange."""
+        self._to_all(Kind.FETCH_BARRIER, endpoints, trainer_id, wait=False)
+
+    # -- what an executor server and readers call ---------------------------------------------
+
+    def skip_step(self) -> None:
+        """Take part in a step without gradients (this trainer had no batch), so that no
+        pserver waits for it: in sync mode its barrier arrives and the step goes on with
+        the others' gradients; otherwise an empty SEND moves its clock (SSP) with theirs."""
+        if self._barrier_endpoints:
+            self.send_barrier(self._barrier_endpoints, self.trainer_id)
+        else:
+            self._to_all(Kind.SEND, list(self._clients), self.trainer_id)
+
+    def pause(self) -> None:
+        """Tell every pserver this trainer has no data for now: until it sends again, no
+        barrier waits for it (its next gradients resume it)."""
+        self._to_all(Kind.PAUSE, list(self._clients), self.trainer_id)
+
+    def settle(self) -> None:
+        """Wait for the acknowledgements of what was sent without waiting."""
+        pending, self._unsettled = self._unsettled, []
+        wait_all(dict(enumerate(pending)))
+
+    # -- inside --------------------------------------------------------------------------------
+
+    def _exchange(self, requests: dict[str, Message], trainer_id: int, wait: bool) -> dict[str, Message]:
+        issued = {}
+        for endpoint, msg in requests.items():
+            client = self.client(endpoint, trainer_id)
+            issued[endpoint] = (client, client.request(msg))
+        if not wait:
+            self._unsettled += issued.values()
+            return {}
+        settle = {("earlier", i): pending for i, pending in enumerate(self._unsettled)}
+        self._unsettled = []
+        replies = wait_all({**settle, **issued})
+        return {endpoint: replies[endpoint] for endpoint in issued}
+
+    def _push(self, items: Sequence[Push], trainer_id: int) -> None:
+        self.settle()
+        requests: dict[str, Message] = {}
+        for endpoint, name, value in items:
+            msg = requests.setdefault(endpoint, Message(Kind.SEND, trainer_id=trainer_id, step=self.step))
+            msg.tensors[name] = value
+        self._exchange(requests, trainer_id, wait=False)
+
+    def _pull(self, items: Sequence[Pull], trainer_id: int) -> list[Any]:
+        requests: dict[str, Message] = {}
+        for endpoint, name in items:
+            msg = requests.setdefault(endpoint, Message(Kind.GET, trainer_id=trainer_id, step=self.step))
+            msg.names.append(name)
+        replies = self._exchange(requests, trainer_id, wait=True)
+        out = []
+        for endpoint, name in items:
+            tensors = replies[endpoint].tensors
+            if name not in tensors:
+                raise TransportError(f"pserver {endpoint} did not return {name!r}")
+            out.append(tensors[name])
+        return out
+
+    def _to_all(self, kind: int, endpoints: Sequence[str], trainer_id: int, wait: bool = True) -> None:
+        """One message of `kind` (no tensors) to each pserver of `endpoints`."""
+        requests = {ep: Message(kind, trainer_id=trainer_id, step=self.step) for ep in endpoints}
+        self._exchange(requests, trainer_id, wait=wait)
+
+    # -- ending --------------------------------------------------------------------------------
+
+    def flush(self) -> list[str]:
+        """Upload the gradients summed since the last send_interval upload; the problems met."""
+        problems = []
+        for total in self._sums.values():  # the steps since the last upload count too
+            if total.count:
+                try:
+                    self._push(total.take_mean(), total.trainer_id)
+                except TransportError as e:
+                    problems.append(f"the last {total.count} step(s) of gradients were not sent: {e}")
+        self._sums.clear()
+        return problems
+
+    def close(self, leaving: bool = False) -> list[str]:
+        """Tell every pserver this trainer is done (or, `leaving` an elastic job before the
+        end of its data, that it pauses: a restarted process takes its place), close the
+        sockets. Returns the problems met (a pserver already gone)."""
+        problems = []
+        try:
+            self.settle()
+        except TransportError as e:
+            problems.append(str(e))
+        asked = {}
+        for endpoint, client in self._clients.items():
+            if client.lost:  # known dead: do not wait for it a second time
+                problems.append(f"{endpoint}: not told this trainer is done; it stopped answering earlier")
+            else:
+                asked[endpoint] = client.request(Message(Kind.PAUSE if leaving else Kind.COMPLETE))
+        for endpoint, rid in asked.items():
+            try:
+                self._clients[endpoint].wait(rid, timeout=self.settings.peer_timeout)
+            except TransportError as e:
+                problems.append(f"{endpoint}: {e}")
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+        if self._keepalive is not None:
+            self._keepalive.close()
+            self._keepalive = None
+        return problems

@@ -1,0 +1,30 @@
+"""RpcSettings: how a process talks to its peers (timeouts, message limits, keys).
+
+Kept apart from the sockets so that configuration can be made, from the environment
+or by hand, without loading ZeroMQ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fluidps.executor.transport.security import Security
+
+
+@dataclass(frozen=True)
+class RpcSettings:
+    heartbeat_interval: float = 0.5  # seconds between application heartbeats while waiting
+    peer_timeout: float = 10.0  # a peer silent this long is dead
+    request_timeout: float = 600.0  # the longest any reply may take (barriers wait for slow trainers)
+    retry_after: float = 2.0  # resend a request the server says it does not hold after this long
+    max_message_bytes: int = 1 << 34  # ZeroMQ drops larger messages and their sender's connection
+    security: Security | None = None
+    insecure: bool = False  # allow serving non-loopback addresses without CURVE
+    # Trainers are disposable (a coordinator hands out the data): pservers evict a trainer
+    # that goes silent and let a restarted one rejoin, instead of failing the job.
+    elastic: bool = False
+
+    def with_(self, **changes: Any) -> RpcSettings:
+        return replace(self, **changes)

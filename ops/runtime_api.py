@@ -1,0 +1,93 @@
+"""What communication and reader kernels may ask of the runtime an executor gives them.
+
+Kernels of `send`, `recv`, the barriers, `listen_and_serv`, `enqueue` / `dequeue`,
+`create_dataset_reader` and `read` take part in a job: they talk to pservers, serve
+trainers or read dataset tasks. They get that ability as a `KernelRuntime` when the
+executor builds them (`KernelOp.runtime`), and may call nothing but what these
+protocols list. fluidps's implementation is `fluidps.executor.runtime.Runtime`; ops
+never import the executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from fluidps.ir.operator import Operator
+    from fluidps.ops.reader import ReaderSpec
+
+# (pserver endpoint, the variable's name there, its value)
+Push = tuple[str, str, Any]
+# (pserver endpoint, the variable's name there)
+Pull = tuple[str, str]
+
+
+class TrainerChannel(Protocol):
+    """A trainer's exchanges with its pservers."""
+
+    def send(self, items: Sequence[Push], trainer_id: int, every: int = 1) -> None:
+        """Push gradients; with every=n, the mean of n calls' gradients every n-th call."""
+
+    def get(self, items: Sequence[Pull], trainer_id: int, every: int = 1) -> list[Any]:
+        """Pull values after this step; with every=m, only every m-th step."""
+
+    def send_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
+        """This step's gradients are all sent (sync mode): wait until the pservers have them."""
+
+    def fetch_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
+        """This step's parameters are all received."""
+
+
+class GradientQueue(Protocol):
+    """One gradient's queue on an async or SSP pserver."""
+
+    def put(self, value: Any) -> None: ...
+
+    def pop(self) -> Any: ...
+
+
+class PserverHost(Protocol):
+    """The pserver loops a process serves."""
+
+    def serve(self, op: Operator, env: dict[str, Any]) -> None:
+        """Run `op` (a listen_and_serv) until every trainer is done."""
+
+    def queue(self, name: str) -> GradientQueue: ...
+
+
+class BatchReader(Protocol):
+    """A reader of dataset tasks, bound to a READER variable."""
+
+    spec: ReaderSpec
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        """The next mini-batch, field by field; EOFException once every pass is done."""
+
+    def observe(self, fetched: list[Any]) -> None:
+        """The step that used the last batch ran and fetched these values (its loss)."""
+
+    def fail_current(self, reason: str) -> None:
+        """The step that used the last batch failed: its task goes back."""
+
+
+class ReaderHost(Protocol):
+    """The dataset readers of a process's programs."""
+
+    def open(self, name: str, spec: ReaderSpec) -> BatchReader:
+        """A new reader for the READER variable `name`, closing the one it replaces."""
+
+
+class KernelRuntime(Protocol):
+    """A process's part in a job, as kernels see it."""
+
+    @property
+    def trainer(self) -> TrainerChannel: ...
+
+    @property
+    def pserver(self) -> PserverHost: ...
+
+    @property
+    def readers(self) -> ReaderHost: ...
