@@ -3,7 +3,7 @@ sync pserver fills in for trainers that sent nothing, and the mean over `send_in
 steps an async trainer uploads.
 
 A trainer with send_interval n uploads, every n steps, the mean of its last n
-gradients; the sum lives in its Runtime (GradientSum), keyed by what is sent, so it
+gradients; the sum lives in its TrainerClient (GradientSum), keyed by what is sent, so it
 does not depend on how often the program is prepared again, and what is left of it
 when the trainer stops is still uploaded.
 """
