@@ -92,11 +92,7 @@ class PreparedProgram:
                     var = sub_block.find_var(name)
                     if var is not None and var.persistable:
                         self._read_from_scope(name)
-        if runtime is None and needs_runtime(program):
-            raise ExecutionError(
-                "this program talks to other processes or reads a dataset and needs a runtime"
-            )
-        self.runner = BlockRunner(block, runtime)
+        self.runner = BlockRunner(block, runtime)  # without a runtime, a send or a reader refuses to build
         # Each run of a trainer program (it sends gradients) is one step of its trainer.
         self.counts_steps = any(op.type == "send" for op in block.ops)
         self.readers = [op.input("Reader")[0] for op in block.ops if op.type == "read"]

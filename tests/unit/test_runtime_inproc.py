@@ -17,6 +17,7 @@ from rpc_harness import Net, free_port
 
 import fluidps
 from fluidps.errors import ExecutionError, PeerLostError, RemoteError, TransportError
+from fluidps.executor.executor import PreparedProgram
 from fluidps.executor.ps.host import GradientQueue
 from fluidps.executor.runtime import Runtime, RuntimeConfig
 from fluidps.executor.transport.settings import RpcSettings
@@ -272,3 +273,11 @@ def test_a_rejected_gradient_fails_the_next_wait_naming_the_pserver(net):
             trainer.send_barrier([endpoint], trainer_id=0)
     finally:
         assert runtime.close() == []
+
+
+def test_a_communication_op_built_without_a_runtime_names_itself():
+    main, startup, _ = sgd_mlp()
+    t = fluidps.DistributeTranspiler()
+    t.transpile(0, main, "127.0.0.1:6174", trainers=1, startup_program=startup)
+    with pytest.raises(ExecutionError, match=r"op #\d+ \(send\): op 'send' takes part in a distributed job"):
+        PreparedProgram(t.get_trainer_program(), [])  # an Executor would have given it one
