@@ -1,7 +1,7 @@
 """Parameter-server training throughput and transport bandwidth, one JSON row each.
 
-    python -m bench.distributed [--quick] [--scale 1.0] [--models digits_mlp,ctr_embedding]
-                                [--topologies 1x1,2x1,2x2] [--modes sync,async] [--ctr-vocab N]
+    python -m bench.distributed [--quick] [--scale 1.0] [--models digits_mlp,ctr_embedding,ctr_distributed]
+                                [--topologies 1x1,2x1,2x2] [--modes sync,async] [--ctr-vocab N[,N...]]
 
 About a minute and a half on two cores; --quick (1x1 and 2x2 jobs, a few steps, a
 100,000-row table) is a smoke run. The models come from examples/ (scikit-learn
@@ -14,6 +14,9 @@ includes the deploy and the numba compiles):
 - ctr_embedding: examples/ctr_embedding.py's model (26 sparse fields over a
                  1,000,000 x 8 embedding, is_sparse, lazy Adam, 13 dense
                  features) on its synthetic clicks, global batch 512
+- ctr_distributed: the same with the table marked is_distributed: jobs keep it
+                 on the pservers and trainers prefetch the rows of each batch
+                 (fluidps.transpiler.tables); its local rows are ctr_embedding's
 each as a RemoteExecutor job of 1x1, 2x1 and 2x2 trainers x pservers in sync
 and async mode (every `fluidps serve` process on 127.0.0.1; the global batch
 is split across the trainers), next to fluidps.Executor on the same programs
@@ -93,18 +96,25 @@ def digits_workload(batch: int, steps: int) -> Workload:
     return Workload("digits_mlp", build, batches, steps, {"model": "64-256-256-10", "optimizer": "adam"})
 
 
-def ctr_workload(batch: int, steps: int, vocab: int) -> Workload:
-    if vocab != ctr_embedding.VOCAB:  # a smaller table than the example's (--ctr-vocab)
-        ctr_embedding.VOCAB, ctr_embedding.PER_FIELD = vocab, vocab // ctr_embedding.FIELDS
+def ctr_workload(batch: int, steps: int, vocab: int, distributed_table: bool = False) -> Workload:
+    """The CTR model with a `vocab`-row table; `distributed_table`: marked is_distributed,
+    so that jobs keep it on the pservers and prefetch rows (the local rows do not change)."""
+    ctr_embedding.VOCAB, ctr_embedding.PER_FIELD = vocab, vocab // ctr_embedding.FIELDS
     world = ctr_embedding.ClickWorld()
     batches = [world.sample(batch, seed=100 + i) for i in range(8)]
 
     def build():
-        main, startup, _, loss, _ = ctr_embedding.build()
+        ctr_embedding.VOCAB, ctr_embedding.PER_FIELD = vocab, vocab // ctr_embedding.FIELDS
+        main, startup, _, loss, _ = ctr_embedding.build(distributed_table=distributed_table)
         return main, startup, loss
 
-    info = {"table": f"{ctr_embedding.VOCAB}x8", "fields": ctr_embedding.FIELDS, "optimizer": "lazy adam"}
-    return Workload("ctr_embedding", build, batches, steps, info)
+    info = {
+        "table": f"{vocab}x8",
+        "fields": ctr_embedding.FIELDS,
+        "optimizer": "lazy adam",
+        "distributed_table": distributed_table,
+    }
+    return Workload("ctr_distributed" if distributed_table else "ctr_embedding", build, batches, steps, info)
 
 
 def training_row(w: Workload, mode: str, trainers: int, pservers: int, rate: float, **extra) -> dict:
@@ -373,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the timed steps")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="digits_mlp,ctr_embedding")
+    parser.add_argument("--models", default="digits_mlp,ctr_embedding,ctr_distributed")
     parser.add_argument(
         "--topologies",
         help=f"trainers x pservers (default {','.join(f'{t}x{p}' for t, p in TOPOLOGIES)}; --quick: 1x1,2x2)",
@@ -381,15 +391,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--digits-batch", type=int, default=128)
     parser.add_argument("--ctr-batch", type=int, default=512)
-    parser.add_argument("--ctr-vocab", type=int, default=ctr_embedding.VOCAB)
+    parser.add_argument(
+        "--ctr-vocab", default=str(ctr_embedding.VOCAB), help="rows of the CTR table; a comma list runs each"
+    )
     parser.add_argument("--bandwidth-mib", type=int, default=16)
     parser.add_argument("--no-torch", action="store_true")
     args = parser.parse_args(argv)
     repeats, warmup, scale = args.repeats, 5, args.scale
     if args.quick:
         repeats, warmup, scale = 1, 2, 0.05
-        if args.ctr_vocab == ctr_embedding.VOCAB:
-            args.ctr_vocab = 100_000
+        if args.ctr_vocab == str(ctr_embedding.VOCAB):
+            args.ctr_vocab = "100000"
     torch = None if args.no_torch else load_torch()
     if args.topologies is None:
         args.topologies = "1x1,2x2" if args.quick else ",".join(f"{t}x{p}" for t, p in TOPOLOGIES)
@@ -406,11 +418,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models.split(","):
         if name == "digits_mlp":
             w = digits_workload(args.digits_batch, max(int(150 * scale), 3))
-        elif name == "ctr_embedding":
-            w = ctr_workload(args.ctr_batch, max(int(40 * scale), 3), args.ctr_vocab)
+            bench_training(w, torch, repeats, warmup, topologies, modes)
+        elif name in ("ctr_embedding", "ctr_distributed"):
+            for vocab in (int(v) for v in args.ctr_vocab.split(",")):
+                w = ctr_workload(args.ctr_batch, max(int(40 * scale), 3), vocab, name == "ctr_distributed")
+                bench_training(w, torch, repeats, warmup, topologies, modes)
         else:
             raise SystemExit(f"unknown model {name!r}")
-        bench_training(w, torch, repeats, warmup, topologies, modes)
     bench_bandwidth(args.bandwidth_mib * MIB, max(int(20 * scale), 5))
 
 

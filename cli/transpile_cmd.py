@@ -33,6 +33,14 @@ from fluidps.transpiler.config import MODES, SPLIT_METHODS
 )
 @click.option("--no-slice", is_flag=True, help="Keep every parameter whole on one pserver.")
 @click.option(
+    "--distributed-table-min-rows",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Sparse tables of at least this many rows stay on the pservers (trainers prefetch their rows); "
+    "0: only tables marked is_distributed.",
+)
+@click.option(
     "-o", "--output", required=True, type=click.Path(file_okay=False), help="Directory to write into."
 )
 def transpile(
@@ -48,6 +56,7 @@ def transpile(
     split_method: str,
     min_block_size: int,
     no_slice: bool,
+    distributed_table_min_rows: int,
     output: str,
 ) -> None:
     """Write the trainer's and every pserver's programs (.pb and .dot) and the
@@ -62,6 +71,7 @@ def transpile(
             staleness=staleness,
             send_interval=send_interval,
             recv_interval=recv_interval,
+            distributed_table_min_rows=distributed_table_min_rows,
         )
         plan = DistributeTranspiler(config).transpile(
             trainer_id, main, pservers, trainers=trainers, startup_program=startup

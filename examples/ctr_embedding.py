@@ -64,14 +64,20 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
-def build(embedding_dim: int = 8, learning_rate: float = 0.002, seed: int = 1):
+def build(
+    embedding_dim: int = 8, learning_rate: float = 0.002, seed: int = 1, distributed_table: bool = False
+):
+    """The model; with `distributed_table`, a parameter-server job keeps the table on its
+    pservers and trainers prefetch the rows of each batch (locally nothing changes)."""
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = seed
     with fluidps.program_guard(main, startup):
         ids = layers.data("ids", [FIELDS], dtype="int64")
         dense = layers.data("dense", [DENSE])
         label = layers.data("label", [1], dtype="int64")
-        emb = layers.embedding_v2(ids, [VOCAB, embedding_dim], is_sparse=True)
+        emb = layers.embedding_v2(
+            ids, [VOCAB, embedding_dim], is_sparse=True, is_distributed=distributed_table
+        )
         flat = layers.reshape(emb, [-1, FIELDS * embedding_dim])
         h = layers.fc(layers.concat([flat, dense], axis=1), 64, act="relu")
         h = layers.fc(h, 32, act="relu")

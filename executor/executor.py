@@ -33,6 +33,7 @@ FetchTarget = Variable | str
 # Ops whose kernels take part in a job: a program using them needs the Runtime.
 RUNTIME_OPS = frozenset(
     {"send", "recv", "send_barrier", "fetch_barrier", "listen_and_serv", "enqueue", "dequeue"}
+    | {"distributed_lookup_table"}  # prefetches rows of a table the pservers hold
     | {"create_dataset_reader"}  # readers get their tasks through the runtime
 )
 _HOLDERS = (FEED_VAR_NAME, FETCH_VAR_NAME)

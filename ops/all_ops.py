@@ -10,6 +10,7 @@ from fluidps.ops import (
     copy,
     creation,
     distributed,
+    distributed_lookup,
     dropout,
     elementwise,
     io,
@@ -45,6 +46,7 @@ FAMILIES = (
     metric,
     optimizers,
     distributed,
+    distributed_lookup,
 )
 
 REGISTRY = OpRegistry(module.family for module in FAMILIES)

@@ -129,6 +129,8 @@ family.define(
         Blocks("optimize_blocks", []),
         Strs("grad_to_block_id", []),
         Strs("sparse_grad_to_param", []),
+        # Blocks of distributed tables here: trainers PREFETCH their rows instead of pulling them.
+        Strs("distributed_tables", []),
         Int(
             "distributed_mode",
             SYNC,

@@ -84,7 +84,7 @@ def _infer_lookup_table_v2(ctx: InferContext) -> None:
 
 
 @njit(cache=True)
-def _first_bad_id(ids, rows, has_pad, pad):
+def first_bad_id(ids, rows, has_pad, pad):
     """Position of the first id outside [0, rows) that is not padding_idx, or -1."""
     for i in range(ids.shape[0]):
         r = ids[i]
@@ -121,7 +121,7 @@ def _scatter_grad(ids, dout, rows, has_pad, pad):
 
 
 @njit(cache=True)
-def _sparse_grad(ids, dout, has_pad, pad):
+def sparse_grad(ids, dout, has_pad, pad):
     """(rows, value) of the SelectedRows table gradient, padding entries left out."""
     n = 0
     for i in range(ids.shape[0]):
@@ -166,7 +166,7 @@ class _Lookup:
                 )
             shape = shape[:-1]
         flat = contiguous(ids).reshape(-1)
-        bad = _first_bad_id(flat, rows, self.has_pad, self.pad)
+        bad = first_bad_id(flat, rows, self.has_pad, self.pad)
         if bad >= 0:
             raise ExecutionError(
                 f"{self.op_type}: id {int(flat[bad])} in Ids {self.ids_name!r} is out of range for table "
@@ -220,7 +220,7 @@ def _lookup_grad_kernel(op: KernelOp) -> Runner:
         ids, _ = spec.ids(env, rows)
         dout = contiguous(env[dout_name]).reshape(ids.shape[0], width)
         if is_sparse:
-            sel_rows, value = _sparse_grad(ids, dout, spec.has_pad, spec.pad)
+            sel_rows, value = sparse_grad(ids, dout, spec.has_pad, spec.pad)
             env[dw_name] = SelectedRows(sel_rows, value, rows)
         else:
             env[dw_name] = _scatter_grad(ids, dout, rows, spec.has_pad, spec.pad)

@@ -1,6 +1,6 @@
 """What communication and reader kernels may ask of the runtime an executor gives them.
 
-Kernels of `send`, `recv`, the barriers, `listen_and_serv`, `enqueue` / `dequeue`,
+Kernels of `send`, `recv`, `distributed_lookup_table`, the barriers, `listen_and_serv`, `enqueue` / `dequeue`,
 `create_dataset_reader` and `read` take part in a job: they talk to pservers, serve
 trainers or read dataset tasks. They get that ability as a `KernelRuntime` when the
 executor builds them (`KernelOp.runtime`), and may call nothing but what these
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 Push = tuple[str, str, Any]
 # (pserver endpoint, the variable's name there)
 Pull = tuple[str, str]
+# (pserver endpoint, a distributed table's block there, int64 row indices in that block)
+Prefetch = tuple[str, str, "np.ndarray"]
 
 
 class TrainerChannel(Protocol):
@@ -33,6 +35,10 @@ class TrainerChannel(Protocol):
 
     def get(self, items: Sequence[Pull], trainer_id: int, every: int = 1) -> list[Any]:
         """Pull values after this step; with every=m, only every m-th step."""
+
+    def prefetch(self, items: Sequence[Prefetch], trainer_id: int) -> list[np.ndarray]:
+        """The rows asked for, one array per item, in one message per pserver (in sync
+        mode once the step before is applied, as a pull)."""
 
     def send_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
         """This step's gradients are all sent (sync mode): wait until the pservers have them."""

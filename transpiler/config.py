@@ -33,6 +33,10 @@ class DistributeTranspilerConfig:
       sets); checkpoint_every_steps / checkpoint_every_seconds: how often (0: never by
       that measure; they also save at the end, on SIGTERM and when asked);
       checkpoint_keep: how many each pserver keeps.
+    distributed_table_min_rows: sparse embedding tables (is_sparse lookups) of at least
+      this many rows become distributed tables, as if marked is_distributed: they stay
+      on the pservers and trainers prefetch only the rows of their batch (0: only tables
+      marked is_distributed).
     """
 
     slice_var_up: bool = True
@@ -47,6 +51,7 @@ class DistributeTranspilerConfig:
     checkpoint_every_steps: int = 0
     checkpoint_every_seconds: float = 0.0
     checkpoint_keep: int = 3
+    distributed_table_min_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.split_method not in SPLIT_METHODS:
@@ -69,6 +74,11 @@ class DistributeTranspilerConfig:
             raise BuilderError(
                 "checkpoint_every_steps and checkpoint_every_seconds must be >= 0 and checkpoint_keep >= 1, got "
                 f"{self.checkpoint_every_steps}, {self.checkpoint_every_seconds}, {self.checkpoint_keep}"
+            )
+        if self.distributed_table_min_rows < 0:
+            raise BuilderError(
+                f"distributed_table_min_rows must be >= 0 (0: only is_distributed tables), "
+                f"got {self.distributed_table_min_rows}"
             )
         if not self.optimizer_state_with_slice:
             raise UnsupportedError(

@@ -15,7 +15,7 @@ output.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from fluidps.endpoints import parse_endpoints
 from fluidps.errors import BuilderError
@@ -27,18 +27,29 @@ from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.plan import DistributedPlan, Slice
 from fluidps.transpiler.pserver_program import build_pserver_programs
 from fluidps.transpiler.slicing import dispatch, row_blocks
+from fluidps.transpiler.tables import find_distributed_tables
 from fluidps.transpiler.trainer_program import build_trainer_program, build_trainer_startup
 
 
 def plan_slices(
-    program: Program, roles: ProgramRoles, endpoints: tuple[str, ...], config: DistributeTranspilerConfig
+    program: Program,
+    roles: ProgramRoles,
+    endpoints: tuple[str, ...],
+    config: DistributeTranspilerConfig,
+    tables: Collection[str] = (),
 ) -> list[Slice]:
-    """Cut each optimized parameter into row blocks and place every block."""
+    """Cut each optimized parameter into row blocks and place every block. A
+    distributed table (in `tables`) is cut into one block per pserver whatever
+    min_block_size and slice_var_up say, block k on pserver k: spreading its
+    rows is what it is for."""
     block = program.global_block()
     pending = []
     for update in roles.updates:
         param = block.var(update.param)
-        blocks = row_blocks(param.shape, len(endpoints), config.min_block_size, config.slice_var_up)
+        if update.param in tables:
+            blocks = row_blocks(param.shape, len(endpoints), 1, True)
+        else:
+            blocks = row_blocks(param.shape, len(endpoints), config.min_block_size, config.slice_var_up)
         sparse = block.var(update.grad).type == VarType.SELECTED_ROWS
         for k, (offset, rows) in enumerate(blocks):
             whole = len(blocks) == 1
@@ -47,8 +58,9 @@ def plan_slices(
             shape = (rows, *param.shape[1:])
             pending.append((update.param, name, grad, k, offset, shape, param.dtype, sparse))
     placed = dispatch([p[1] for p in pending], endpoints, config.split_method)
+    placed = [endpoints[p[3]] if p[0] in tables else ep for p, ep in zip(pending, placed, strict=True)]
     return [
-        Slice(p, n, g, k, o, s, d, ep, sp)
+        Slice(p, n, g, k, o, s, d, ep, sp, p in tables)
         for (p, n, g, k, o, s, d, sp), ep in zip(pending, placed, strict=True)
     ]
 
@@ -87,8 +99,9 @@ class DistributeTranspiler:
         verify(program)
         verify(startup_program)
         roles = analyze(program)
-        slices = plan_slices(program, roles, endpoints, config)
-        trainer = build_trainer_program(program, roles, slices, config, trainer_id, endpoints)
+        tables = find_distributed_tables(program, roles, config)
+        slices = plan_slices(program, roles, endpoints, config, tables)
+        trainer = build_trainer_program(program, roles, slices, config, trainer_id, endpoints, tables)
         trainer_startup = build_trainer_startup(
             startup_program, trainer, roles, slices, config, trainer_id, endpoints
         )

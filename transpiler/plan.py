@@ -32,6 +32,7 @@ class Slice:
     dtype: VarType
     endpoint: str
     sparse: bool  # its gradient is a SelectedRows
+    distributed: bool = False  # a block of a distributed table: prefetched by rows, never received whole
 
     @property
     def rows(self) -> int:
@@ -83,6 +84,10 @@ class DistributedPlan:
         """Where a persistable variable of the original program lives ([] for trainer-side ones)."""
         return [p for p in self.placements if p.var == var]
 
+    def distributed_tables(self) -> list[str]:
+        """The tables that stay on the pservers (trainers prefetch their rows)."""
+        return list(dict.fromkeys(s.param for s in self.slices if s.distributed))
+
     def bytes_per_pserver(self) -> dict[str, int]:
         return {ep: sum(s.nbytes for s in self.slices_on(ep)) for ep in self.endpoints}
 
@@ -98,11 +103,17 @@ class DistributedPlan:
         for i, ep in enumerate(self.endpoints):
             lines.append(f"pserver {i} {ep}: {per[ep]:,} bytes ({100 * per[ep] / total:.1f}%)")
             for s in self.slices_on(ep):
-                kind = " sparse" if s.sparse else ""
+                kind = " distributed table" if s.distributed else " sparse" if s.sparse else ""
                 lines.append(
                     f"  {s.name:<28} rows {s.offset}..{s.offset + s.rows - 1} of {s.param}{kind} "
                     f"{list(s.shape)} {s.nbytes:,} bytes"
                 )
+        for table in self.distributed_tables():
+            blocks = self.slices_of(table)
+            lines.append(
+                f"distributed table {table}: {sum(s.rows for s in blocks):,} rows in {len(blocks)} block(s); "
+                "id i lives on the pserver whose block holds row i; trainers prefetch the rows of each batch"
+            )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -124,8 +135,10 @@ class DistributedPlan:
                     "endpoint": s.endpoint,
                     "bytes": s.nbytes,
                     "sparse": s.sparse,
+                    "distributed": s.distributed,
                 }
                 for s in self.slices
             ],
+            "distributed_tables": self.distributed_tables(),
             "notes": list(self.notes),
         }

@@ -8,6 +8,8 @@ listen_and_serv op; sub-blocks hold the work it runs:
   async / SSP: dequeued from the gradient's queue), then the slice's
   weight decay and optimizer ops on the slice and its sliced accumulators;
 - async / SSP: one receive block per gradient that enqueues what arrives.
+Blocks of distributed tables are listed in `distributed_tables`: trainers
+prefetch their rows by id instead of pulling them whole.
 Startup program: the original initializers of what this pserver owns, with
 their shape rewritten to the slice.
 """
@@ -205,6 +207,7 @@ def build_pserver_programs(
         "optimize_blocks": optimize_blocks,
         "grad_to_block_id": grad_to_block,
         "sparse_grad_to_param": sparse,
+        "distributed_tables": [s.name for s in mine if s.distributed],
         "distributed_mode": MODE_NUMBERS[config.mode],
         "lr_decay_block_id": lr_block_id,
         "grad_to_queue_block_id": grad_to_queue,

@@ -10,16 +10,25 @@ variable: each is a single message per pserver, so a step costs a few
 network round trips whatever the number of parameters. The trainer's
 startup program receives the initial parameters the same way, so every
 trainer starts from the pservers' values.
+
+Distributed tables (fluidps.transpiler.tables) are neither received nor
+initialized: their lookups become distributed_lookup_table ops, which prefetch
+the batch's rows, and their gradient ops distributed_lookup_table_grad, which
+need no table; the table's variable is not in the trainer's programs at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+from fluidps.ir.operator import Operator
 from fluidps.ir.program import Block, Program
-from fluidps.ir.types import EMPTY_VAR_NAME, OpRole, VarType
+from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_ATTR, OP_ROLE_VAR_ATTR, OpRole, VarType
 from fluidps.ops.roles import append_role_op
 from fluidps.transpiler.analysis import ProgramRoles
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.plan import Slice
+from fluidps.transpiler.tables import LOOKUPS
 
 
 def build_trainer_program(
@@ -29,11 +38,15 @@ def build_trainer_program(
     config: DistributeTranspilerConfig,
     trainer_id: int,
     endpoints: tuple[str, ...],
+    tables: Collection[str] = (),
 ) -> Program:
     trainer = program.clone()
     block = trainer.global_block()
     moved = roles.pserver_ops
     block.ops = [op for i, op in enumerate(block.ops) if i not in moved]
+    for table in tables:
+        _prefetch(block, table, [s for s in slices if s.param == table], trainer_id)
+        block.remove_var(table)
     _drop_unused_vars(block)
     sent: list[tuple[str, Slice]] = []
     for update in roles.updates:
@@ -78,8 +91,11 @@ def build_trainer_startup(
         n for op in trainer.global_block().ops for n in op.input_arg_names + op.output_arg_names
     } - remote
     block.ops = [op for op in block.ops if set(op.output_arg_names) & needed]
-    _drop_unused_vars(block, keep=remote)
-    for param in sorted(remote, key=[u.param for u in roles.updates].index):
+    tables = {s.param for s in slices if s.distributed}
+    for table in tables & set(block.vars):
+        block.remove_var(table)
+    _drop_unused_vars(block, keep=remote - tables)
+    for param in sorted(remote - tables, key=[u.param for u in roles.updates].index):
         if param not in block.vars:
             var = trainer.global_block().var(param)
             block.create_var(param, shape=var.shape, dtype=var.dtype, persistable=True)
@@ -100,7 +116,9 @@ def receive_parameters(
     attrs = {"trainer_id": trainer_id, "sync_mode": sync, "recv_interval": config.recv_interval}
     if config.mode == "ssp":
         attrs["staleness"] = config.staleness
-    received = [s for update in roles.updates for s in slices if s.param == update.param]
+    received = [
+        s for update in roles.updates for s in slices if s.param == update.param and not s.distributed
+    ]
     if received:
         names = [_declare_slice(block, s.param, s) for s in received]
         attrs |= {"epmap": [s.endpoint for s in received], "recv_varnames": [s.name for s in received]}
@@ -116,7 +134,7 @@ def receive_parameters(
         )
     for update in roles.updates:
         mine = [s for s in slices if s.param == update.param]
-        if len(mine) > 1:
+        if len(mine) > 1 and not mine[0].distributed:
             append_role_op(
                 block,
                 "concat",
@@ -125,6 +143,42 @@ def receive_parameters(
                 {"axis": 0},
                 role=OpRole.Dist,
             )
+
+
+def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int) -> None:
+    """Replace the lookups of `table` and their gradient ops by ops that need no table."""
+    attrs = {
+        "table_name": table,
+        "table_names": [s.name for s in blocks],
+        "endpoints": [s.endpoint for s in blocks],
+        "height_sections": [s.rows for s in blocks],
+        "trainer_id": trainer_id,
+    }
+    for index, op in enumerate(list(block.ops)):
+        forward = op.type.removesuffix("_grad")
+        if forward not in LOOKUPS or op.input("W") != [table]:
+            continue
+        own = attrs | {"padding_idx": op.attr("padding_idx"), "lookup_table_version": forward}
+        if op.type == forward:
+            inputs, outputs = {"Ids": op.input("Ids")}, {"Outputs": op.output("Out")}
+        else:
+            inputs = {"Ids": op.input("Ids"), "Outputs@GRAD": op.input("Out@GRAD")}
+            outputs = {"W@GRAD": op.output("W@GRAD")}
+        block.remove_op(index)
+        append_role_op(
+            block,
+            "distributed_lookup_table" + op.type.removeprefix(forward),
+            inputs,
+            outputs,
+            own,
+            role=OpRole(_attr(op, OP_ROLE_ATTR, 0)),
+            role_var=_attr(op, OP_ROLE_VAR_ATTR, []),
+            index=index,
+        )
+
+
+def _attr(op: Operator, name: str, default):
+    return op.attr(name) if op.has_attr(name) else default
 
 
 def _split_gradient(block: Block, grad: str, mine: list[Slice]) -> list[tuple[str, Slice]]:

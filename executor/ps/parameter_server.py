@@ -3,7 +3,8 @@
 It receives requests, keeps track of the trainers, and hands each event to the
 strategy of its mode (fluidps.executor.ps.strategies: sync, async, ssp), which
 applies gradients and says when a GET may be answered; GETs that may not be
-answered yet wait in `deferred`.
+answered yet wait in `deferred`. A PREFETCH (rows of a distributed table's block,
+by index) is a pull like a GET: checked, then answered when a GET would be.
 
 Trainers are tracked by `Membership`: a trainer silent (no message, no
 keepalive) for the peer timeout is evicted in an elastic job and fails the job,
@@ -47,6 +48,7 @@ IDLE_TIMEOUT = 3600.0  # seconds without any message while trainers are live
 # (it may still be importing and transpiling) before it counts as missing.
 FIRST_CONTACT_TIMEOUT = 120.0
 _FROM_TRAINERS = (Kind.SEND, Kind.SEND_BARRIER, Kind.FETCH_BARRIER, Kind.COMPLETE, Kind.PAUSE)
+_PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (sync: applied; ssp: in bounds)
 
 
 # What a pserver remembers for its stats stays bounded however long the job runs.
@@ -108,6 +110,12 @@ class ParameterServer:
         lr = op.attr("lr_decay_block_id")
         self.lr_block = host.runner_for(program.block(lr)) if lr >= 0 else None
         self.served = {n for n, v in program.global_block().vars.items() if v.persistable}
+        self.tables = set(op.attr("distributed_tables"))  # whose rows trainers PREFETCH
+        unserved = sorted(self.tables - self.served)
+        if unserved:
+            raise ExecutionError(
+                f"{self.name}: distributed tables {unserved} are not persistable variables here"
+            )
         self.members = Membership(self.fanin, elastic=self.settings.elastic, on_event=self.log)
         self.clock_log: deque[dict[str, Any]] = deque(maxlen=CLOCK_LOG_LIMIT)
         self.received_rows: dict[str, RowLog] = {}  # sparse gradients: which rows arrived
@@ -215,8 +223,11 @@ class ParameterServer:
     def _handle(self, request: Request) -> None:
         msg = request.msg
         # GET and SET also come from observers (trainer id -1): a RemoteExecutor saving or loading.
-        observer = msg.kind in (Kind.GET, Kind.SET, Kind.STATS, Kind.CHECKPOINT) and msg.trainer_id == -1
-        if (msg.kind in _FROM_TRAINERS or msg.kind == Kind.GET) and not observer:
+        observer = (
+            msg.kind in (Kind.GET, Kind.PREFETCH, Kind.SET, Kind.STATS, Kind.CHECKPOINT)
+            and msg.trainer_id == -1
+        )
+        if (msg.kind in _FROM_TRAINERS or msg.kind in _PULLS) and not observer:
             if msg.trainer_id not in range(self.fanin):
                 self.server.error(
                     request, f"{self.name} serves trainers 0..{self.fanin - 1}, not {msg.trainer_id}"
@@ -231,6 +242,7 @@ class ParameterServer:
             Kind.HELLO: lambda r: self.server.reply(r),
             Kind.SEND: self._on_send,
             Kind.GET: self._on_get,
+            Kind.PREFETCH: self._on_prefetch,
             Kind.SEND_BARRIER: self._on_send_barrier,
             Kind.FETCH_BARRIER: lambda r: self.server.reply(r),
             Kind.COMPLETE: self._on_complete,
@@ -329,26 +341,52 @@ class ParameterServer:
         if unknown:
             self.server.error(request, f"{self.name} holds no variable {', '.join(map(repr, unknown))}")
             return
+        self._pull(request)
+
+    def _on_prefetch(self, request: Request) -> None:
+        """Rows of distributed tables: each tensor names a table block here and holds
+        int64 row indices into it; checked before anything is read."""
+        for name, rows in request.msg.tensors.items():
+            if name not in self.tables:
+                held = ", ".join(sorted(self.tables)) or "none"
+                raise ExecutionError(
+                    f"holds no distributed table {name!r} (its tables: {held}); the trainer's program was "
+                    "transpiled for another job: transpile trainers and pservers together"
+                )
+            height = np.shape(self.env[name])[0]
+            if isinstance(rows, SelectedRows) or rows.dtype != np.int64 or rows.ndim != 1:
+                raise ExecutionError(f"a prefetch of {name!r} must carry 1-D int64 row indices")
+            bad = np.flatnonzero((rows < 0) | (rows >= height))
+            if bad.size:
+                raise ExecutionError(
+                    f"row {int(rows[bad[0]])} asked of table block {name!r} is outside its {height} rows"
+                )
+        self._pull(request)
+
+    def _pull(self, request: Request) -> None:
         if self._may_answer(request.msg):
-            self._answer_get(request)
+            self._answer(request)
         else:
             self.deferred.append(request)
 
     def _may_answer(self, msg: Message) -> bool:
         return msg.trainer_id < 0 or self.strategy.may_answer(msg.trainer_id)  # < 0: an observer
 
-    def _answer_get(self, request: Request) -> None:
+    def _answer(self, request: Request) -> None:
         msg = request.msg
-        values = {name: self.strategy.read(name) for name in msg.names}
-        if msg.trainer_id >= 0:
-            self.strategy.answered(msg.trainer_id)
+        if msg.kind == Kind.PREFETCH:
+            values = {name: self.strategy.read_rows(name, rows) for name, rows in msg.tensors.items()}
+        else:
+            values = {name: self.strategy.read(name) for name in msg.names}
+            if msg.trainer_id >= 0:
+                self.strategy.answered(msg.trainer_id)
         self.server.reply(request, Message(Kind.VALUES, tensors=values))
 
     def _answer_deferred(self) -> None:
         waiting, self.deferred = self.deferred, []
         for request in waiting:
             if self._may_answer(request.msg):
-                self._answer_get(request)
+                self._answer(request)
             else:
                 self.deferred.append(request)
 

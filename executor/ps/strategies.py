@@ -83,6 +83,11 @@ class Strategy:
         with self.ps.locked(name):
             return _snapshot(self.ps.env[name])
 
+    def read_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of a distributed table's block (a copy), safe to send while workers update it."""
+        with self.ps.locked(name):
+            return np.take(self.ps.env[name], rows, axis=0)
+
     def answered(self, trainer: int) -> None:
         """A GET of `trainer` was answered."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import zmq
 
 from fluidps.errors import TransportError
@@ -26,7 +27,7 @@ from fluidps.executor.ps.keepalive import Keepalive
 from fluidps.executor.transport.rpc import RpcClient, wait_all
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
-from fluidps.ops.runtime_api import Pull, Push
+from fluidps.ops.runtime_api import Prefetch, Pull, Push
 
 
 class TrainerClient:
@@ -88,6 +89,28 @@ class TrainerClient:
         if every > 1:
             self._downloaded[key] = values
         return values
+
+    def prefetch(self, items: Sequence[Prefetch], trainer_id: int) -> list[np.ndarray]:
+        """The rows (endpoint, table block, row indices) asked for: one PREFETCH per pserver,
+        waited for. Each reply must hold every row asked for."""
+        requests: dict[str, Message] = {}
+        for endpoint, name, rows in items:
+            msg = requests.setdefault(endpoint, Message(Kind.PREFETCH, trainer_id=trainer_id, step=self.step))
+            if name in msg.tensors:
+                raise TransportError(f"rows of {name!r} asked twice from pserver {endpoint} in one prefetch")
+            msg.tensors[name] = rows
+        replies = self._exchange(requests, trainer_id, wait=True)
+        out = []
+        for endpoint, name, rows in items:
+            value = replies[endpoint].tensors.get(name)
+            if not isinstance(value, np.ndarray) or value.ndim != 2 or value.shape[0] != len(rows):
+                got = "nothing" if value is None else f"{type(value).__name__} {list(np.shape(value))}"
+                raise TransportError(
+                    f"pserver {endpoint} answered a prefetch of {len(rows)} rows of {name!r} with {got}; "
+                    "its program does not serve this table as this trainer's does (transpile them together)"
+                )
+            out.append(value)
+        return out
 
     def send_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
         """Waits for the barrier and the sends before it: the pservers have the step's gradients."""

@@ -321,3 +321,45 @@ def test_checkpoints_on_demand_resume_a_job_with_another_number_of_pservers(tmp_
         for p in main.all_parameters():
             np.testing.assert_allclose(exe.scope[p.name], local.scope[p.name], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(losses, local_losses[3:], rtol=1e-4, atol=1e-5)
+
+
+def _distributed_table_model() -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 13
+    with fluidps.program_guard(main, startup):
+        dense = layers.data("dense", [4])
+        ids = layers.data("ids", [3], dtype="int64")
+        label = layers.data("label", [1], dtype="int64")
+        table = layers.embedding_v2(ids, [500, 4], is_sparse=True, is_distributed=True)
+        h = layers.fc(layers.concat([dense, layers.reshape(table, [-1, 12])], axis=1), 16, act="relu")
+        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 2), label))
+        optimizer.Adam(0.05, lazy_mode=True).minimize(loss)
+    return main, startup, loss
+
+
+def test_a_distributed_table_job_matches_local_training_and_resumes_on_other_pservers(tmp_path):
+    """Two trainers prefetch the rows of their halves of each batch from two pservers, in
+    sync mode: local training on the whole batches. A checkpoint of the job restores on
+    three pservers, the table cut differently, and training carries on as locally."""
+    main, startup, loss = _distributed_table_model()
+    batches = _sparse_batches(6)
+    table = "embedding_0.w_0"
+    config = fluidps.DistributeTranspilerConfig(min_block_size=64, checkpoint_dir=str(tmp_path / "ckpt"))
+    local = fluidps.Executor()
+    local.run(startup)
+    expected = [float(local.run(main, feed=b, fetch_list=[loss])[0]) for b in batches]
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=2, trainers=2, config=config)) as exe:
+        exe.run(startup)  # the same values as local's: the client's startup goes to the pservers
+        got = [float(exe.run(main, feed=b, fetch_list=[loss])[0]) for b in batches[:3]]
+        assert exe.plan.distributed_tables() == [table]
+        assert [(s.endpoint, s.rows) for s in exe.plan.slices_of(table)] == [
+            (ep, 250) for ep in exe.plan.endpoints
+        ]
+        exe.checkpoint()
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=3, trainers=2, config=config)) as exe:
+        exe.run(startup)  # overwritten by what the pservers restore
+        got += [float(exe.run(main, feed=b, fetch_list=[loss])[0]) for b in batches[3:]]
+        assert len(exe.plan.slices_of(table)) == 3
+        final = np.array(exe.scope[table], copy=True)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    np.testing.assert_allclose(final, local.scope[table], rtol=2e-5, atol=1e-6)

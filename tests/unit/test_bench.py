@@ -116,3 +116,19 @@ def test_distributed_bench_quick_smoke_run():
     for r in bandwidth:
         assert {"bytes", "mib_per_s", "ms", "repeats", "to", "processes", "cores"} <= set(r)
         assert r["bytes"] == 1 << 20 and r["mib_per_s"] > 0 and r["ms"] > 0
+
+
+def test_distributed_bench_runs_the_ctr_model_with_a_distributed_table():
+    args = ["--quick", "--models", "ctr_distributed", "--topologies", "1x1", "--modes", "sync"]
+    rows = bench("distributed", *args, "--ctr-vocab", "2600,5200", "--no-torch", "--bandwidth-mib", "1")
+    training = [r for r in rows if r.get("bench") == "ctr_distributed"]
+    assert [(r["mode"], r["table"]) for r in training] == [
+        ("local", "2600x8"),
+        ("sync", "2600x8"),
+        ("local", "5200x8"),
+        ("sync", "5200x8"),
+    ]
+    for r in training:
+        assert r["distributed_table"] is True and r["samples_per_s"] > 0 and r["loss"] > 0
+    for job in training[1::2]:
+        assert "stats_error" not in job and job["vs_local"] > 0
