@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from fluidps.ir.operator import Operator
 from fluidps.ir.program import Block, Program
-from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_ATTR, OP_ROLE_VAR_ATTR, OpRole, VarType
+from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_VAR_ATTR, OpRole, VarType
 from fluidps.ops.roles import append_role_op
-from fluidps.transpiler.analysis import ProgramRoles
+from fluidps.transpiler.analysis import ProgramRoles, role
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.plan import Slice
 from fluidps.transpiler.tables import LOOKUPS
@@ -171,14 +170,10 @@ def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int) ->
             inputs,
             outputs,
             own,
-            role=OpRole(_attr(op, OP_ROLE_ATTR, 0)),
-            role_var=_attr(op, OP_ROLE_VAR_ATTR, []),
+            role=OpRole(role(op)),
+            role_var=op.attr(OP_ROLE_VAR_ATTR) if op.has_attr(OP_ROLE_VAR_ATTR) else [],
             index=index,
         )
-
-
-def _attr(op: Operator, name: str, default):
-    return op.attr(name) if op.has_attr(name) else default
 
 
 def _split_gradient(block: Block, grad: str, mine: list[Slice]) -> list[tuple[str, Slice]]:

@@ -82,6 +82,18 @@ class Job:
         blocks = self.plan.slices_of(name)
         return np.concatenate([np.asarray(self.servers.executors[s.endpoint].scope[s.name]) for s in blocks])
 
+    def local_twin(self, main, startup):
+        """A local Executor starting from the job's values (the table from the pservers)."""
+        local = fluidps.Executor()
+        local.run(startup)
+        for p in main.all_parameters():
+            local.scope[p.name] = (
+                self.table(p.name)
+                if p.name in self.plan.distributed_tables()
+                else np.array(self.exe.scope[p.name], copy=True)
+            )
+        return local
+
     def close(self):
         problems = self.exe.close()
         self.servers.join()
@@ -95,12 +107,7 @@ def test_sync_job_with_a_distributed_table_trains_exactly_like_local(rule, pserv
     job = Job(main, startup, pservers)
     try:
         assert TABLE not in job.exe.scope  # the trainer never holds the table
-        local = fluidps.Executor()
-        local.run(startup)
-        local.scope[TABLE] = job.table()
-        for p in main.all_parameters():
-            if p.name != TABLE:
-                local.scope[p.name] = np.array(job.exe.scope[p.name], copy=True)
+        local = job.local_twin(main, startup)
         initial = job.table()
         for feed in batches(8):
             (remote,) = job.exe.run(job.program, feed=feed, fetch_list=[loss])
@@ -199,12 +206,7 @@ def test_padding_ids_read_zeros_and_get_no_gradient_on_a_distributed_table():
     main, startup, loss = ctr_model(OPTIMIZERS["sgd"], padding_idx=0, v2=False)
     job = Job(main, startup, 2)
     try:
-        local = fluidps.Executor()
-        local.run(startup)
-        local.scope[TABLE] = job.table()
-        for p in main.all_parameters():
-            if p.name != TABLE:
-                local.scope[p.name] = np.array(job.exe.scope[p.name], copy=True)
+        local = job.local_twin(main, startup)
         before = job.table()
         for feed in batches(4, v2=False):
             feed["ids"][::2, 0, 0] = 0  # padding in every other row
