@@ -1,6 +1,6 @@
 """Parameter-server training throughput and transport bandwidth, one JSON row each.
 
-    python -m bench.distributed [--quick] [--scale 1.0] [--models digits_mlp,ctr_embedding,ctr_distributed]
+    python -m bench.distributed [--quick] [--scale 1.0] [--models digits_mlp,ctr_embedding,ctr_distributed,ctr_hashed]
                                 [--topologies 1x1,2x1,2x2] [--modes sync,async] [--ctr-vocab N[,N...]]
 
 About a minute and a half on two cores; --quick (1x1 and 2x2 jobs, a few steps, a
@@ -17,6 +17,8 @@ includes the deploy and the numba compiles):
 - ctr_distributed: the same with the table marked is_distributed: jobs keep it
                  on the pservers and trainers prefetch the rows of each batch
                  (fluidps.transpiler.tables); its local rows are ctr_embedding's
+- ctr_hashed:    examples/ctr_hashed.py's model: the same fields as raw 40-bit feature
+                 hashes into a hashed table (layers.sparse_embedding, Adam), global batch 512
 each as a RemoteExecutor job of 1x1, 2x1 and 2x2 trainers x pservers in sync
 and async mode (every `fluidps serve` process on 127.0.0.1; the global batch
 is split across the trainers), next to fluidps.Executor on the same programs
@@ -64,6 +66,7 @@ from fluidps import layers, optimizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import ctr_embedding  # noqa: E402
+import ctr_hashed  # noqa: E402
 import digits_mlp  # noqa: E402
 
 CORES = os.cpu_count() or 1
@@ -115,6 +118,19 @@ def ctr_workload(batch: int, steps: int, vocab: int, distributed_table: bool = F
         "distributed_table": distributed_table,
     }
     return Workload("ctr_distributed" if distributed_table else "ctr_embedding", build, batches, steps, info)
+
+
+def ctr_hashed_workload(batch: int, steps: int) -> Workload:
+    """The CTR model over raw feature hashes, its table sharded over the pservers by id."""
+    world = ctr_hashed.HashedClickWorld()
+    batches = [world.sample(batch, seed=100 + i) for i in range(8)]
+
+    def build():
+        main, startup, _, loss, _ = ctr_hashed.build()
+        return main, startup, loss
+
+    info = {"table": "hashed x8", "fields": ctr_hashed.FIELDS, "optimizer": "adam (per-row state)"}
+    return Workload("ctr_hashed", build, batches, steps, info)
 
 
 def training_row(w: Workload, mode: str, trainers: int, pservers: int, rate: float, **extra) -> dict:
@@ -383,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the timed steps")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", default="digits_mlp,ctr_embedding,ctr_distributed")
+    parser.add_argument("--models", default="digits_mlp,ctr_embedding,ctr_distributed,ctr_hashed")
     parser.add_argument(
         "--topologies",
         help=f"trainers x pservers (default {','.join(f'{t}x{p}' for t, p in TOPOLOGIES)}; --quick: 1x1,2x2)",
@@ -419,6 +435,15 @@ def main(argv: list[str] | None = None) -> None:
         if name == "digits_mlp":
             w = digits_workload(args.digits_batch, max(int(150 * scale), 3))
             bench_training(w, torch, repeats, warmup, topologies, modes)
+        elif name == "ctr_hashed":
+            bench_training(
+                ctr_hashed_workload(args.ctr_batch, max(int(40 * scale), 3)),
+                None,
+                repeats,
+                warmup,
+                topologies,
+                modes,
+            )
         elif name in ("ctr_embedding", "ctr_distributed"):
             for vocab in (int(v) for v in args.ctr_vocab.split(",")):
                 w = ctr_workload(args.ctr_batch, max(int(40 * scale), 3), vocab, name == "ctr_distributed")

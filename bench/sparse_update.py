@@ -7,6 +7,11 @@ random rows (repeats included, as an embedding batch gives them):
 - sgd_sparse_rows:  sgd with a SelectedRows gradient; numpy: np.add.at(param, rows, -lr * value)
 - adam_lazy_sparse_rows: lazy-mode adam; numpy: np.unique + np.add.at to merge the rows,
   then the Adam update on the fancy-indexed rows
+- hashed_adam_lookup_update: what a pserver shard of a hashed table does per step: look
+  up the batch's unique ids, then apply their Adam gradient (rows kept per id, each with
+  its own state); next to adam_lazy_sparse_rows on a fixed table, as rows/s
+- hashed_table_memory (with --hashed-ids N): a hashed table (dim --width, Adam) fed N
+  distinct ids: its bytes and this process's RSS growth against N x (dim + state) x 4
 fluidps_ms runs the op through fluidps.Executor (the parameter and its state
 updated in place in a scope, the gradient fed), so it includes the executor's
 per-run overhead; kernel_ms calls the op's kernel runner alone. Medians of
@@ -29,9 +34,12 @@ from collections.abc import Callable  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fluidps  # noqa: E402
+from fluidps.executor.ps.parameter_server import resident_bytes  # noqa: E402
 from fluidps.ir.types import VarType  # noqa: E402
 from fluidps.ops import REGISTRY  # noqa: E402
+from fluidps.ops.hashed_table import state_width  # noqa: E402
 from fluidps.ops.selected_rows import SelectedRows  # noqa: E402
+from fluidps.ops.sparse_table import Rule, SparseTable, TableSettings  # noqa: E402
 
 BETA1, BETA2, EPSILON, LR = 0.9, 0.999, 1e-8, 0.01
 
@@ -138,6 +146,63 @@ def bench_lazy_adam(args: argparse.Namespace, grads: list[SelectedRows]) -> dict
     return row("adam_lazy_sparse_rows", args, fluidps_ms, kernel_ms, numpy_ms)
 
 
+def bench_hashed_adam(args: argparse.Namespace, grads: list[SelectedRows]) -> dict:
+    """A shard holding `table_rows` ids (raw 40-bit hashes) takes the same batches."""
+    rng = np.random.default_rng(3)
+    held = rng.integers(0, 2**40, args.table_rows)
+    table = SparseTable("bench", TableSettings(dim=args.width))
+    table.use_rule(Rule("adam", epsilon=EPSILON, beta1=BETA1, beta2=BETA2))
+    for chunk in np.array_split(held, max(1, args.table_rows // 100_000)):
+        table.update(chunk, np.zeros((len(chunk), args.width), np.float32), 0.0)
+    batches = [(held[g.rows], g.value) for g in grads]  # the fixed table's batches, as hashes
+    it = iter(range(1 << 30))
+
+    def step() -> None:
+        ids, value = batches[next(it) % len(batches)]
+        table.lookup(np.unique(ids))
+        table.update(ids, value, LR)
+
+    ms = median_ms(step, args.repeats)
+    return {
+        "workload": "hashed_adam_lookup_update",
+        "table_rows": len(table),
+        "rows": args.rows,
+        "width": args.width,
+        "fluidps_ms": round(ms, 4),
+        "rows_per_s": round(args.rows / ms * 1e3),
+    }
+
+
+def bench_hashed_memory(args: argparse.Namespace) -> dict:
+    before = resident_bytes()
+    table = SparseTable("bench", TableSettings(dim=args.width))
+    table.use_rule(Rule("adam"))
+    chunk = 200_000
+    rng = np.random.default_rng(4)
+    grad = np.zeros((chunk, args.width), np.float32)
+    fed = 0
+    start = time.perf_counter()
+    while fed < args.hashed_ids:
+        ids = np.unique(rng.integers(0, 2**62, chunk))  # distinct in practice: 2^62 values
+        table.update(ids, grad[: len(ids)], 0.0)
+        fed += len(ids)
+    seconds = time.perf_counter() - start
+    ideal = len(table) * (args.width + state_width("adam", args.width)) * 4
+    grown = resident_bytes() - before
+    return {
+        "workload": "hashed_table_memory",
+        "ids": len(table),
+        "width": args.width,
+        "rule": "adam",
+        "ideal_bytes": ideal,
+        "table_bytes": table.nbytes,
+        "rss_growth_bytes": grown,
+        "table_over_ideal": round(table.nbytes / ideal, 2),
+        "rss_over_ideal": round(grown / ideal, 2),
+        "ids_per_s": round(len(table) / seconds),
+    }
+
+
 def row(
     workload: str, args: argparse.Namespace, fluidps_ms: float, kernel_ms: float, numpy_ms: float
 ) -> dict:
@@ -150,6 +215,7 @@ def row(
         "kernel_ms": round(kernel_ms, 4),
         "numpy_add_at_ms": round(numpy_ms, 4),
         "speedup": round(numpy_ms / fluidps_ms, 2),
+        "rows_per_s": round(args.rows / fluidps_ms * 1e3),
     }
 
 
@@ -159,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--hashed-ids", type=int, default=0, help="also feed a hashed table this many ids")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(2)
     grads = [
@@ -169,8 +236,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         for _ in range(4)
     ]
-    for bench in (bench_sgd, bench_lazy_adam):
+    for bench in (bench_sgd, bench_lazy_adam, bench_hashed_adam):
         print(json.dumps(bench(args, grads)), flush=True)
+    if args.hashed_ids:
+        print(json.dumps(bench_hashed_memory(args)), flush=True)
 
 
 if __name__ == "__main__":

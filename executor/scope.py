@@ -9,13 +9,14 @@ import numpy as np
 
 from fluidps.errors import ProgramError
 from fluidps.ops.selected_rows import SelectedRows
+from fluidps.ops.sparse_table import SparseTable
 
-Value = np.ndarray | SelectedRows
+Value = np.ndarray | SelectedRows | SparseTable
 
 
 def as_value(name: str, value: Any) -> Value:
-    """Values are numpy arrays or SelectedRows; anything array-like is converted."""
-    if isinstance(value, (np.ndarray, SelectedRows)):
+    """Values are numpy arrays, SelectedRows or hashed tables; anything array-like is converted."""
+    if isinstance(value, (np.ndarray, SelectedRows, SparseTable)):
         return value
     try:
         return np.asarray(value)

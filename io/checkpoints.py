@@ -17,11 +17,18 @@ Restoring assembles each variable a pserver needs from the newest valid
 checkpoint of every pserver, by rows of the original variable: a pserver
 restarting in the same job finds its own slices; a job with a different
 number of pservers finds the same rows cut differently (resharding).
+
+A shard of a hashed table is stored as the arrays of SparseTable.to_arrays (ids,
+rows, optimizer state, counters), each a piece whose origin is
+`<table>@hashed<shard>.<array>`; restoring hands every shard's arrays to the table,
+which keeps the ids it owns (resharding by the id rule), and merging writes the
+table as `<table>.npz` of (ids, rows).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -40,6 +47,29 @@ from fluidps.io.tensor_file import TensorReader, lod_tensor_chunks
 
 FORMAT = "fluidps-pserver-checkpoint"
 _NAME = re.compile(r"pserver-(\d+)-(\d+)\.json")
+_HASHED = re.compile(r"(?P<origin>.+)@hashed(?P<shard>\d+)\.(?P<key>\w+)")
+
+
+def hashed_piece(origin: str, shard: int, key: str) -> str:
+    """The origin recorded for array `key` of shard `shard` of hashed table `origin`."""
+    return f"{origin}@hashed{shard}.{key}"
+
+
+def hashed_tables(
+    sources: Iterable[tuple[Checkpoint, Mapping[str, np.ndarray]]],
+) -> dict[str, list[dict[str, np.ndarray]]]:
+    """Each hashed table's shards (their to_arrays), in the order of `sources`."""
+    shards: dict[tuple[str, int, int], dict[str, np.ndarray]] = {}
+    for index, (checkpoint, values) in enumerate(sources):
+        for piece in checkpoint.pieces:
+            match = _HASHED.fullmatch(piece.origin)
+            if match:
+                key = (match["origin"], index, int(match["shard"]))
+                shards.setdefault(key, {})[match["key"]] = values[piece.name]
+    tables: dict[str, list[dict[str, np.ndarray]]] = {}
+    for (origin, _, _), arrays in sorted(shards.items(), key=lambda kv: kv[0][1]):
+        tables.setdefault(origin, []).append(arrays)
+    return tables
 
 
 class Placement(NamedTuple):
@@ -293,7 +323,8 @@ def _pieces_by_origin(
     pieces: dict[str, list[tuple[Piece, np.ndarray]]] = {}
     for checkpoint, values in sources:
         for piece in checkpoint.pieces:
-            pieces.setdefault(piece.origin, []).append((piece, values[piece.name]))
+            if not _HASHED.fullmatch(piece.origin):  # hashed tables: hashed_tables()
+                pieces.setdefault(piece.origin, []).append((piece, values[piece.name]))
     return pieces
 
 
@@ -376,13 +407,10 @@ def merge_checkpoints(
 ) -> dict[str, np.ndarray]:
     """The whole variables of a job's model, from the newest intact checkpoint of each of
     its pservers; with `dirname`, also saved there one file per variable in Paddle's
-    format (fluidps.io.load_persistables / load_vars read it, into a job of any size).
+    format (fluidps.io.load_persistables / load_vars read it, into a job of any size),
+    and each hashed table as `<table>.npz` holding `ids` and `rows` (merge_hashed_tables).
     Raises CheckpointError when there is none, or rows of a variable are missing."""
-    found, problems = latest(checkpoint_dir)
-    if not found:
-        detail = f" ({'; '.join(problems)})" if problems else ""
-        raise CheckpointError(f"no intact pserver checkpoint in {checkpoint_dir}{detail}")
-    sources = sorted(found.values(), key=lambda cv: cv[0].created, reverse=True)
+    sources, problems = _newest(checkpoint_dir)
     try:
         values = merge(sources)
     except CheckpointError as e:
@@ -392,11 +420,49 @@ def merge_checkpoints(
         out = Path(dirname)
         out.mkdir(parents=True, exist_ok=True)
         for name, value in values.items():
-            if Path(name).name != name or name in (".", ".."):
-                raise CheckpointError(f"variable {name!r} cannot be saved to its own file")
-            write_atomic(str(out / name), lod_tensor_chunks(value, what=f"variable {name!r}"), sync_dir=False)
+            write_atomic(
+                str(out / _file_name(name)),
+                lod_tensor_chunks(value, what=f"variable {name!r}"),
+                sync_dir=False,
+            )
+        for name, (ids, rows) in _merge_hashed(sources).items():
+            buffer = io.BytesIO()
+            np.savez(buffer, ids=ids, rows=rows)
+            write_atomic(str(out / _file_name(f"{name}.npz")), [buffer.getvalue()], sync_dir=False)
         fsync_dir(str(out))
     return values
+
+
+def merge_hashed_tables(checkpoint_dir: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each hashed table of a job's newest checkpoints as (ids, rows), ids sorted."""
+    sources, _ = _newest(checkpoint_dir)
+    return _merge_hashed(sources)
+
+
+def _newest(
+    checkpoint_dir: str | os.PathLike,
+) -> tuple[list[tuple[Checkpoint, dict[str, np.ndarray]]], list[str]]:
+    found, problems = latest(checkpoint_dir)
+    if not found:
+        detail = f" ({'; '.join(problems)})" if problems else ""
+        raise CheckpointError(f"no intact pserver checkpoint in {checkpoint_dir}{detail}")
+    return sorted(found.values(), key=lambda cv: cv[0].created, reverse=True), problems
+
+
+def _merge_hashed(sources) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    merged = {}
+    for origin, shards in hashed_tables(sources).items():
+        ids = np.concatenate([s["ids"] for s in shards])
+        rows = np.concatenate([s["values"] for s in shards])
+        ids, first = np.unique(ids, return_index=True)  # an id in two shards: the newest one's row
+        merged[origin] = (ids, rows[first])
+    return merged
+
+
+def _file_name(name: str) -> str:
+    if Path(name).name != name or name in (".", ".."):
+        raise CheckpointError(f"variable {name!r} cannot be saved to its own file")
+    return name
 
 
 def describe(checkpoint: Checkpoint) -> dict[str, Any]:

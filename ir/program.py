@@ -147,7 +147,9 @@ class Block(TouchOnAssign):
             )
         if name in self.vars:
             raise ProgramError(f"block 0 already has a variable named {name!r}")
-        if any(d < 0 for d in shape):
+        # A hashed table (a SELECTED_ROWS parameter) has no fixed number of rows: [-1, dim].
+        open_rows = attrs.get("type") == VarType.SELECTED_ROWS and len(shape) == 2 and shape[1] > 0
+        if any(d < 0 for d in shape[1 if open_rows else 0 :]):
             raise ProgramError(f"parameter {name!r} needs a fully known shape, got {list(shape)}")
         param = Parameter(self, name, shape=shape, dtype=to_vartype(dtype), initializer=initializer, **attrs)
         self._add_var(param)

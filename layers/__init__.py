@@ -32,7 +32,7 @@ from fluidps.layers.math import (
     tanh,
 )
 from fluidps.layers.metric import accuracy, topk
-from fluidps.layers.nn import conv2d, dropout, embedding, embedding_v2, fc, pool2d
+from fluidps.layers.nn import conv2d, dropout, embedding, embedding_v2, fc, pool2d, sparse_embedding
 from fluidps.layers.tensor import (
     assign,
     cast,
@@ -91,6 +91,7 @@ __all__ = [
     "sigmoid",
     "softmax",
     "softmax_with_cross_entropy",
+    "sparse_embedding",
     "split",
     "sqrt",
     "square",

@@ -1,4 +1,4 @@
-"""Layers with parameters: fc, embedding, conv2d; and pool2d, dropout."""
+"""Layers with parameters: fc, embedding, sparse_embedding, conv2d; and pool2d, dropout."""
 
 from __future__ import annotations
 
@@ -6,11 +6,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from fluidps.errors import BuilderError
-from fluidps.initializer import Normal
-from fluidps.ir.types import VarType
+from fluidps.initializer import Normal, Uniform
+from fluidps.ir.types import VarType, to_numpy_dtype, to_vartype
 from fluidps.ir.variable import Variable
 from fluidps.layers.helper import LayerHelper, float_dtype
+from fluidps.ops import REGISTRY
+from fluidps.ops.sparse_table import TableSettings
 from fluidps.param_attr import ParamAttr
 
 
@@ -106,6 +110,87 @@ def embedding_v2(
     return _embedding(
         "lookup_table_v2", input, size, is_sparse, is_distributed, padding_idx, param_attr, dtype
     )
+
+
+def sparse_embedding(
+    input: Variable,
+    size: Sequence[int],
+    padding_idx: int | None = None,
+    param_attr: Any = None,
+    dtype: Any = "float32",
+    *,
+    min_count: int = 1,
+    admit_probability: float = 1.0,
+    ttl_steps: int = 0,
+    score_decay: float = 1.0,
+    delete_threshold: float = 0.0,
+    shrink_every: int = 0,
+    max_rows: int = 0,
+    evict_when_full: bool = False,
+) -> Variable:
+    """An embedding over int64 ids with no vocabulary bound (ids shaped [..., 1], any
+    value >= 0: raw feature hashes): a hashed table whose rows are created as ids are
+    trained, not declared up front. `size` is [-1, dim] (the rows entry is ignored).
+
+    A new row starts from values that depend only on (seed, id): `param_attr`'s
+    initializer, Uniform(low, high, seed) or Normal(loc, scale, seed) (default
+    Uniform(-0.01, 0.01); seed 0 takes the startup program's random_seed).
+    Admission: a row is created once its id was trained in `min_count` steps, each
+    time with probability `admit_probability`; until then lookups read the initial
+    values and its gradients are dropped. Eviction, at a shrink every `shrink_every`
+    steps: rows not updated for more than `ttl_steps` steps, and rows whose score
+    (appearances, times `score_decay` at each shrink) is under `delete_threshold`.
+    `max_rows` bounds the table: past it, new rows are refused with an error, or with
+    `evict_when_full` the lowest-scored rows make room. The optimizer trains each row
+    with its own state (SGD, Adagrad, lazy Adam or Ftrl); weight decay and gradient
+    clipping do not apply to hashed tables. Under a DistributeTranspiler the table is
+    sharded over every pserver by id; it never exists on the trainers."""
+    helper = LayerHelper("sparse_embedding")
+    helper.check_variable(input, "input")
+    if input.dtype not in (VarType.INT64, VarType.INT32):
+        raise BuilderError(f"sparse_embedding: ids ({input.name}) must be int64, got {input.dtype.name}")
+    if len(size) != 2 or int(size[1]) < 1:
+        raise BuilderError(f"sparse_embedding: size must be [-1, dim] with dim >= 1, got {list(size)}")
+    if helper.startup is None:
+        raise BuilderError(
+            "sparse_embedding creates a table: pass a startup program to program_guard(main, startup)"
+        )
+    dim = int(size[1])
+    attr = ParamAttr.to_attr(param_attr)
+    init = attr.initializer or Uniform(-0.01, 0.01)
+    if isinstance(init, Uniform):
+        kind, a, b = "uniform", init.low, init.high
+    elif isinstance(init, Normal):
+        kind, a, b = "normal", init.loc, init.scale
+    else:
+        raise BuilderError(
+            f"sparse_embedding: a hashed table's rows start from Uniform or Normal (by id), not {init!r}"
+        )
+    name = attr.name or helper.main.unique_name(f"{helper.name}.w")
+    dtype = to_vartype(dtype)
+    settings = TableSettings(
+        dim=dim, dtype=np.dtype(to_numpy_dtype(dtype)).name, initializer=kind, init_a=float(a), init_b=float(b),
+        seed=int(init.seed or helper.startup.random_seed), min_count=int(min_count),
+        admit_probability=float(admit_probability), ttl_steps=int(ttl_steps), score_decay=float(score_decay),
+        delete_threshold=float(delete_threshold), shrink_every=int(shrink_every), max_rows=int(max_rows),
+        evict_when_full=bool(evict_when_full),
+    ).check(name)  # fmt: skip
+    if padding_idx is not None and padding_idx < 0:
+        raise BuilderError(f"sparse_embedding: padding_idx must be an id >= 0 (or None), got {padding_idx}")
+    fields = dict(trainable=attr.trainable, learning_rate=attr.learning_rate, type=VarType.SELECTED_ROWS)
+    main_block, startup_block = helper.main.global_block(), helper.startup.global_block()
+    if name in main_block.vars or name in startup_block.vars:
+        raise BuilderError(
+            f"sparse_embedding: {name!r} already exists; hashed tables cannot be shared by name"
+        )
+    table = startup_block.create_parameter(name, [-1, dim], dtype, **fields)
+    attrs = {f: getattr(settings, f) for f in TableSettings.names() if f not in ("shard", "shards")}
+    REGISTRY.append_op(startup_block, "hashed_table", outputs={"Out": table}, attrs=attrs)
+    w = main_block.create_parameter(name, [-1, dim], dtype, **fields)
+    out = helper.create_tmp(w.dtype)
+    pad = -1 if padding_idx is None else int(padding_idx)
+    helper.append_op("lookup_sparse_table", {"Ids": input, "W": w}, {"Out": out}, {"padding_idx": pad})
+    return out
 
 
 def _pair(value: int | Sequence[int], what: str) -> list[int]:

@@ -23,6 +23,7 @@ from fluidps.ops import (
     reduce,
     shape,
     softmax,
+    sparse_embedding,
 )
 from fluidps.ops.registry import OpRegistry
 
@@ -40,6 +41,7 @@ FAMILIES = (
     reduce,
     shape,
     lookup_table,
+    sparse_embedding,
     conv,
     pool,
     dropout,

@@ -10,6 +10,11 @@ distributed_lookup_table_grad, gives the table's gradient as a SelectedRows of t
 looked-up rows, exactly as lookup_table_grad with is_sparse does, without the
 table: trainers never hold it. Ids equal to padding_idx read zeros and get no
 gradient, as in lookup_table.
+
+A hashed table (layers.sparse_embedding; `sharding` "id_hash") has no row blocks:
+shard k (`table_names[k]` on `endpoints[k]`) holds the ids i with mix64(i) mod K == k,
+ids travel as they are, and the gradient's rows are the ids themselves. The trainer
+routes each shard's gradient rows with `shard_selected_rows`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
 from fluidps.ops.lookup_table import first_bad_id, sparse_grad
 from fluidps.ops.registry import OpFamily
-from fluidps.ops.selected_rows import SelectedRows
+from fluidps.ops.selected_rows import HASHED_HEIGHT, SelectedRows
+from fluidps.ops.sparse_table import owners
 
 family = OpFamily("distributed_lookup")
 
@@ -37,38 +43,42 @@ _ATTRS = (
     # lookup_table: ids shaped [..., 1]; lookup_table_v2: ids of any shape.
     Only(Str("lookup_table_version", "lookup_table"), "lookup_table", "lookup_table_v2"),
     Int("trainer_id", 0),
+    # row_blocks: block k holds rows [sum(height_sections[:k]), ...); id_hash: a hashed table.
+    Only(Str("sharding", "row_blocks"), "row_blocks", "id_hash"),
 )
 
 
 def _check(ctx: InferContext) -> list[int]:
     names, endpoints = ctx.attr("table_names"), ctx.attr("endpoints")
     sections = [int(s) for s in ctx.attr("height_sections")]
-    if not names or len(endpoints) != len(names) or len(sections) != len(names):
+    hashed = ctx.attr("sharding") == "id_hash"
+    if not names or len(endpoints) != len(names) or len(sections) != (0 if hashed else len(names)):
         ctx.fail(
-            f"table_names, endpoints and height_sections must have one entry per block, got "
-            f"{len(names)}, {len(endpoints)} and {len(sections)}"
+            f"table_names and endpoints (and height_sections, unless sharding is id_hash) must have one "
+            f"entry per block, got {len(names)}, {len(endpoints)} and {len(sections)}"
         )
     if any(s <= 0 for s in sections):
         ctx.fail(f"height_sections must be positive row counts, got {sections}")
+    if hashed and ctx.attr("lookup_table_version") != "lookup_table":
+        ctx.fail("a hashed table's ids are shaped [..., 1] (lookup_table_version 'lookup_table')")
     if len(ctx.op.input("Ids")) != len(ctx.op.output("Outputs")):
         ctx.fail("Ids and Outputs must have as many variables each")
     return sections
 
 
 def _infer_grad(ctx: InferContext) -> None:
-    sections = _check_grad(ctx)
+    sections = [int(s) for s in ctx.attr("height_sections")]
+    if ctx.attr("sharding") == "id_hash":
+        height = -1
+    elif not sections or any(s <= 0 for s in sections):
+        ctx.fail(f"height_sections must be positive row counts, got {sections}")
+    else:
+        height = sum(sections)
     douts = ctx.inputs("Outputs@GRAD")
     width = douts[0].shape[-1] if douts and douts[0].shape else -1
     for name in ctx.op.output("W@GRAD"):
         if name != EMPTY_VAR_NAME:
-            ctx.set_output("W@GRAD", (sum(sections), width), douts[0].dtype, type=VarType.SELECTED_ROWS)
-
-
-def _check_grad(ctx: InferContext) -> list[int]:
-    sections = [int(s) for s in ctx.attr("height_sections")]
-    if not sections or any(s <= 0 for s in sections):
-        ctx.fail(f"height_sections must be positive row counts, got {sections}")
-    return sections
+            ctx.set_output("W@GRAD", (height, width), douts[0].dtype, type=VarType.SELECTED_ROWS)
 
 
 _GRAD = GradSpec(inputs=("Ids",), out_grads=("Outputs",), in_grads=("W",), infer=_infer_grad)
@@ -106,12 +116,28 @@ class _Blocks:
         self.op_type = op.type.removesuffix("_grad")
         self.table = op.attr("table_name")
         self.names, self.endpoints = list(op.attr("table_names")), list(op.attr("endpoints"))
+        self.hashed = op.attr("sharding") == "id_hash"
         self.offsets = np.cumsum([0, *op.attr("height_sections")]).astype(np.int64)
-        self.height = int(self.offsets[-1])
+        self.height = HASHED_HEIGHT if self.hashed else int(self.offsets[-1])
         self.v1 = op.attr("lookup_table_version") == "lookup_table"
         pad = int(op.attr("padding_idx"))
         self.has_pad, self.pad = pad != -1, pad
         self.trainer_id = op.attr("trainer_id")
+
+    def route(self, unique: np.ndarray) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
+        """(block, positions in `unique`, what to ask the block for) of each block owning some
+        of the sorted `unique` ids: row indices into the block, or the ids of a hashed table."""
+        if self.hashed:
+            shard = owners(unique, len(self.names))
+            return [
+                (k, at, unique[at]) for k in range(len(self.names)) if (at := np.flatnonzero(shard == k)).size
+            ]
+        cuts = np.searchsorted(unique, self.offsets)  # unique[cuts[k]:cuts[k+1]] live in block k
+        return [
+            (k, slice(cuts[k], cuts[k + 1]), unique[cuts[k] : cuts[k + 1]] - self.offsets[k])
+            for k in range(len(self.names))
+            if cuts[k + 1] > cuts[k]
+        ]
 
     def ids(self, env: Env, name: str) -> tuple[np.ndarray, tuple[int, ...]]:
         """The ids of `name`, flat and checked, and the shape an output keeps."""
@@ -130,6 +156,11 @@ class _Blocks:
             shape = shape[:-1]
         flat = contiguous(ids, dtype=np.int64).reshape(-1)
         bad = first_bad_id(flat, self.height, self.has_pad, self.pad)
+        if bad >= 0 and self.hashed:
+            raise ExecutionError(
+                f"{self.op_type}: id {int(flat[bad])} in Ids {name!r} of hashed table {self.table!r} is "
+                "negative; ids are int64 >= 0 (feature hashes: keep the low 63 bits)"
+            )
         if bad >= 0:
             raise ExecutionError(
                 f"{self.op_type}: id {int(flat[bad])} in Ids {name!r} is out of range for the distributed "
@@ -154,22 +185,18 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
         flat = np.concatenate([ids for ids, _ in checked]) if len(checked) > 1 else checked[0][0]
         wanted = flat[flat != spec.pad] if spec.has_pad else flat
         unique, inverse = np.unique(wanted, return_inverse=True)
-        cuts = np.searchsorted(unique, spec.offsets)  # unique[cuts[k]:cuts[k+1]] live in block k
-        blocks = [k for k in range(len(spec.names)) if cuts[k + 1] > cuts[k]]
-        items = [
-            (spec.endpoints[k], spec.names[k], unique[cuts[k] : cuts[k + 1]] - spec.offsets[k])
-            for k in blocks
-        ]
+        groups = spec.route(unique)
+        items = [(spec.endpoints[k], spec.names[k], asked) for k, _, asked in groups]
         rows = np.empty((len(unique), width), dtype=dtype)
         replies = trainer.prefetch(items, spec.trainer_id) if items else []
-        for k, (endpoint, name, asked), got in zip(blocks, items, replies, strict=True):
+        for (_, where, _), (endpoint, name, asked), got in zip(groups, items, replies, strict=True):
             if got.shape != (len(asked), width) or got.dtype != dtype:
                 raise ExecutionError(
                     f"{op.type}: pserver {endpoint} answered {got.dtype}{list(got.shape)} for {len(asked)} rows of "
                     f"{name!r} (table {spec.table!r}), expected {np.dtype(dtype)}{[len(asked), width]}: "
                     "the pserver's program does not match this trainer's; transpile them together"
                 )
-            rows[cuts[k] : cuts[k + 1]] = got
+            rows[where] = got
         if spec.has_pad:
             gathered = np.zeros((len(flat), width), dtype=dtype)
             gathered[flat != spec.pad] = rows[inverse.reshape(-1)]
@@ -197,5 +224,40 @@ def _distributed_lookup_grad_kernel(op: KernelOp) -> Runner:
         dout = np.concatenate(douts) if len(douts) > 1 else douts[0]
         rows, value = sparse_grad(flat, contiguous(dout), spec.has_pad, spec.pad)
         env[dw_name] = SelectedRows(rows, value, spec.height)
+
+    return run
+
+
+# -- routing a hashed table's gradient ---------------------------------------------------------
+
+
+@family.op(
+    "shard_selected_rows",
+    inputs=[In("X")],
+    outputs=[Out("Out", dup=True)],
+    attrs=[Str("table_name", "")],
+)
+def _infer_shard_selected_rows(ctx: InferContext) -> None:
+    """Out[k] = the rows of the SelectedRows X whose id i has mix64(i) mod len(Out) == k
+    (rows keep their ids: a hashed table's shards are not row ranges)."""
+    x = ctx.input("X")
+    if x.type != VarType.SELECTED_ROWS:
+        ctx.fail("X must be a SelectedRows (a hashed table's gradient)")
+    for k in range(len(ctx.op.output("Out"))):
+        ctx.set_output("Out", x.shape, x.dtype, type=VarType.SELECTED_ROWS, index=k)
+
+
+@family.kernel("shard_selected_rows")
+def _shard_selected_rows_kernel(op: KernelOp) -> Runner:
+    x_name, out_names = op.input("X"), op.outputs("Out")
+
+    def run(env: Env) -> None:
+        x = env[x_name]
+        if not isinstance(x, SelectedRows):
+            raise ExecutionError(f"{op.type}: X {x_name!r} must be a SelectedRows, got {type(x).__name__}")
+        shard = owners(x.rows, len(out_names))
+        for k, name in enumerate(out_names):
+            mine = shard == k
+            env[name] = SelectedRows(x.rows[mine], x.value[mine], x.height)
 
     return run

@@ -59,6 +59,47 @@ def initial_rows(ids, dim, seed, normal, a, b, out):
                 out[i, j] = a + (b - a) * u
 
 
+@njit(cache=True)
+def gather_or_init(values, rows, ids, seed, normal, a, b, out):
+    """out[i] = values[rows[i]] where rows[i] >= 0, else the initial row of ids[i]."""
+    dim = values.shape[1]
+    missing = 0
+    for i in range(ids.shape[0]):
+        if rows[i] >= 0:
+            for j in range(dim):
+                out[i, j] = values[rows[i], j]
+        else:
+            missing += 1
+    if missing:
+        absent = np.empty(missing, dtype=np.int64)
+        at = np.empty(missing, dtype=np.int64)
+        k = 0
+        for i in range(ids.shape[0]):
+            if rows[i] < 0:
+                absent[k], at[k] = ids[i], i
+                k += 1
+        fresh = np.empty((missing, dim), dtype=out.dtype)
+        initial_rows(absent, dim, seed, normal, a, b, fresh)
+        for k in range(missing):
+            for j in range(dim):
+                out[at[k], j] = fresh[k, j]
+
+
+@njit(cache=True)
+def shard_of(ids, shards, out):
+    """out[i] = the shard (pserver) of ids[i]: mix64(id) mod shards."""
+    for i in range(ids.shape[0]):
+        out[i] = np.int64(mix64(uint64(ids[i])) % uint64(shards))
+
+
+@njit(cache=True)
+def draws(ids, seed, clock, out):
+    """out[i] = a uniform [0, 1) draw that depends only on (seed, id, clock)."""
+    base = mix64(uint64(seed) ^ uint64(0xD1B54A32D192ED03)) ^ mix64(uint64(clock))
+    for i in range(ids.shape[0]):
+        out[i] = _unit(mix64(base ^ mix64(uint64(ids[i]))))
+
+
 # -- the index: id -> row ------------------------------------------------------------------
 
 
@@ -222,6 +263,13 @@ class HashedTable:
 
     def __len__(self) -> int:
         return self.size
+
+    def replace_state(self, state: np.ndarray) -> None:
+        """Replace the optimizer state of every held row by `state` (one row per held row):
+        a table learns its optimizer rule, and so its state's width, at its first update."""
+        self.state_width = state.shape[1]
+        self.state = np.zeros((len(self.ids), self.state_width), dtype=self.dtype)
+        self.state[: self.size] = state
 
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
         """The row of each id (int64, >= 0), -1 where it has none."""

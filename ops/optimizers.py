@@ -1,4 +1,4 @@
-"""Optimizer ops: sgd, momentum, adam, adagrad.
+"""Optimizer ops: sgd, momentum, adam, adagrad, ftrl.
 
 Each updates a parameter in place (ParamOut names the same variable as
 Param) from a dense or SelectedRows gradient. Paddle's mixed-precision
@@ -17,7 +17,7 @@ from numba.extending import intrinsic
 from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext, numel
 from fluidps.ir.types import VarType
-from fluidps.ops.defs import Bool, Compat, Extra, Float, Hint, In, Long, Out, Str, backend_hints
+from fluidps.ops.defs import Bool, Compat, Extra, Float, Hint, In, Long, Only, Out, Str, backend_hints
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows
@@ -117,6 +117,24 @@ family.define(
     infer=_infer_update("Moment"),
 )
 
+
+family.define(
+    "ftrl",
+    inputs=[
+        In("Param"),
+        In("SquaredAccumulator"),
+        In("LinearAccumulator"),
+        In("Grad"),
+        In("LearningRate"),
+    ],
+    outputs=[Out("ParamOut"), Out("SquaredAccumOut"), Out("LinearAccumOut")],
+    attrs=[
+        Float("l1", 0.0),
+        Float("l2", 0.0),
+        Only(Float("lr_power", -0.5), hint="fluidps's FTRL supports only lr_power -0.5"),
+    ],
+    infer=_infer_update(),
+)
 
 # -- kernels -----------------------------------------------------------------------------
 # Every update is a row update of the parameter seen as a [rows, width] table:
@@ -257,6 +275,25 @@ def _adagrad_rows(p, m, rows, g, lr, eps):
             mj = m[r, j] + gj * gj
             m[r, j] = mj
             p[r, j] -= lr * gj / (np.sqrt(mj) + eps)
+
+
+@njit(cache=True)
+def _ftrl_rows(p, squared, linear, rows, g, lr, l1, l2):
+    """FTRL-proximal with learning-rate power -1/2, Paddle's formula."""
+    for k in range(rows.shape[0]):
+        r = rows[k]
+        for j in range(p.shape[1]):
+            gj = g[k, j]
+            old = squared[r, j]
+            new = old + gj * gj
+            lin = linear[r, j] + gj - (np.sqrt(new) - np.sqrt(old)) / lr * p[r, j]
+            if abs(lin) > l1:
+                sign = 1 if lin > 0 else -1
+                p[r, j] = (l1 * sign - lin) / (np.sqrt(new) / lr + 2 * l2)
+            else:
+                p[r, j] = 0
+            squared[r, j] = new
+            linear[r, j] = lin
 
 
 @njit(cache=True)
@@ -428,6 +465,45 @@ def _adagrad_kernel(op: KernelOp) -> Runner:
         _adagrad_rows(p, m, rows, g, lr, step.scalar(epsilon))
 
     return run
+
+
+@family.kernel("ftrl")
+def _ftrl_kernel(op: KernelOp) -> Runner:
+    l1, l2 = op.attr("l1"), op.attr("l2")
+    slots = _RowSlots()
+
+    def run(env: Env) -> None:
+        step = _Step(op, env, slots)
+        lr = step.value("LearningRate")
+        rows, g, view, _ = step.grad(merge=True)
+        p = step.state("Param").reshape(view)
+        squared = _accumulator(step, "SquaredAccumulator", "SquaredAccumOut").reshape(view)
+        linear = _accumulator(step, "LinearAccumulator", "LinearAccumOut").reshape(view)
+        _ftrl_rows(p, squared, linear, rows, g, lr, step.scalar(l1), step.scalar(l2))
+
+    return run
+
+
+def _accumulator(step: _Step, slot: str, out_slot: str) -> np.ndarray:
+    """Like _Step.state, for Paddle's FTRL slots whose outputs are not `<slot>Out`."""
+    op, env = step.op, step.env
+    in_name, out_name = op.input(slot), op.output(out_slot)
+    value = env[in_name]
+    if not isinstance(value, np.ndarray) or value.shape != step.shape:
+        raise ExecutionError(
+            f"{op.type}: {slot} {in_name!r} ({_describe(value)}) does not match Param {list(step.shape)}"
+        )
+    target = (
+        value
+        if out_name == in_name
+        and value.dtype == step.dtype
+        and value.flags.c_contiguous
+        and value.flags.writeable
+        else np.array(value, dtype=step.dtype, order="C")
+    )
+    if out_name is not None:
+        env[out_name] = target
+    return target
 
 
 @family.kernel("adam")

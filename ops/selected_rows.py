@@ -14,6 +14,9 @@ from numba import njit
 from fluidps.errors import ExecutionError
 from fluidps.ops.kernel import contiguous
 
+# The height of a hashed table's gradient: its rows are ids, any int64 >= 0 (never made dense).
+HASHED_HEIGHT = 2**63 - 1
+
 
 @dataclass
 class SelectedRows:

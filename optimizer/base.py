@@ -26,7 +26,7 @@ from fluidps.optimizer.regularizer import L2Decay, append_regularization
 
 
 class Optimizer:
-    """Base of SGD, Momentum, Adam, Adagrad. `learning_rate` is a float or a
+    """Base of SGD, Momentum, Adam, Adagrad, Ftrl. `learning_rate` is a float or a
     Variable (a learning-rate schedule from fluidps.layers)."""
 
     type = ""
@@ -72,14 +72,21 @@ class Optimizer:
         """Clip, regularize, then append one update op per parameter."""
         self._main = main_program
         self._startup = self._resolve_startup(startup_program)
+        # Hashed tables (layers.sparse_embedding) keep their optimizer state in their rows,
+        # and take no weight decay or clipping: admission and eviction bound them instead.
+        tables = [(p, g) for p, g in params_grads if p.type == VarType.SELECTED_ROWS]
+        dense = [(p, g) for p, g in params_grads if p.type != VarType.SELECTED_ROWS]
         if self.grad_clip is not None:
-            params_grads = self.grad_clip(params_grads)
-        params_grads = append_regularization(params_grads, self.regularization)
+            dense = self.grad_clip(dense)
+        dense = append_regularization(dense, self.regularization)
         self._create_learning_rate()
         ops = []
-        for param, grad in params_grads:
+        for param, grad in dense:
             self._create_accumulators(param)
             ops.append(self._append_update(param, grad))
+        for param, grad in tables:
+            attrs = self._table_rule(param)
+            ops.append(self._update("sparse_table_update", param, grad, {}, {}, attrs))
         return ops
 
     @property
@@ -93,6 +100,14 @@ class Optimizer:
 
     def _append_update(self, param: Parameter, grad: Variable) -> Operator:
         raise NotImplementedError
+
+    def _table_rule(self, param: Parameter) -> dict[str, Any]:
+        """The attributes of sparse_table_update that train hashed table `param` as this
+        optimizer trains dense parameters."""
+        raise BuilderError(
+            f"{type(self).__name__} cannot train the hashed table {param.name!r}: hashed tables are trained "
+            "by SGD, Adagrad, Adam (lazy) or Ftrl"
+        )
 
     def _add_accumulator(
         self, name: str, param: Parameter, fill_value: float = 0.0, shape: Sequence[int] | None = None

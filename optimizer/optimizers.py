@@ -1,9 +1,11 @@
-"""SGD, Momentum, Adam and Adagrad: one update op per parameter, Fluid's ops and names."""
+"""SGD, Momentum, Adam, Adagrad and Ftrl: one update op per parameter, Fluid's ops and names;
+hashed tables get one sparse_table_update with the same rule."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from fluidps.errors import BuilderError
 from fluidps.ir.operator import Operator
 from fluidps.ir.variable import Parameter, Variable
 from fluidps.optimizer.base import Optimizer
@@ -14,6 +16,9 @@ class SGD(Optimizer):
 
     def _append_update(self, param: Parameter, grad: Variable) -> Operator:
         return self._update("sgd", param, grad, {}, {})
+
+    def _table_rule(self, param: Parameter) -> dict[str, Any]:
+        return {"rule": "sgd"}
 
 
 class Momentum(Optimizer):
@@ -79,6 +84,10 @@ class Adam(Optimizer):
             {"beta1": self.beta1, "beta2": self.beta2, "epsilon": self.epsilon, "lazy_mode": self.lazy_mode},
         )
 
+    def _table_rule(self, param: Parameter) -> dict[str, Any]:
+        # Each row keeps its own moments and beta powers: lazy by construction.
+        return {"rule": "adam", "beta1": self.beta1, "beta2": self.beta2, "epsilon": self.epsilon}
+
     def _describe(self) -> dict[str, Any]:
         return {**super()._describe(), "beta1": self.beta1, "beta2": self.beta2, "lazy_mode": self.lazy_mode}
 
@@ -106,9 +115,57 @@ class Adagrad(Optimizer):
             "adagrad", param, grad, {"Moment": moment}, {"MomentOut": moment}, {"epsilon": self.epsilon}
         )
 
+    def _table_rule(self, param: Parameter) -> dict[str, Any]:
+        if self.initial_accumulator_value:
+            raise BuilderError(
+                f"Adagrad: hashed table {param.name!r} starts each row's moment at 0; "
+                f"initial_accumulator_value={self.initial_accumulator_value} is not supported for it"
+            )
+        return {"rule": "adagrad", "epsilon": self.epsilon}
+
+
+class Ftrl(Optimizer):
+    """FTRL-proximal (learning-rate power -1/2) with L1 and L2 regularization, Paddle's
+    ftrl op: the optimizer of sparse CTR models."""
+
+    def __init__(
+        self,
+        learning_rate: float | Variable,
+        l1: float = 0.0,
+        l2: float = 0.0,
+        lr_power: float = -0.5,
+        **kwargs: Any,
+    ):
+        super().__init__(learning_rate, **kwargs)
+        if lr_power != -0.5:
+            raise BuilderError(f"Ftrl: only lr_power=-0.5 is supported, got {lr_power}")
+        self.l1, self.l2, self.lr_power = float(l1), float(l2), float(lr_power)
+
+    def _create_accumulators(self, param: Parameter) -> None:
+        self._add_accumulator("squared", param)
+        self._add_accumulator("linear", param)
+
+    def _append_update(self, param: Parameter, grad: Variable) -> Operator:
+        squared, linear = self._accumulator("squared", param), self._accumulator("linear", param)
+        return self._update(
+            "ftrl",
+            param,
+            grad,
+            {"SquaredAccumulator": squared, "LinearAccumulator": linear},
+            {"SquaredAccumOut": squared, "LinearAccumOut": linear},
+            {"l1": self.l1, "l2": self.l2, "lr_power": self.lr_power},
+        )
+
+    def _table_rule(self, param: Parameter) -> dict[str, Any]:
+        return {"rule": "ftrl", "l1": self.l1, "l2": self.l2}
+
+    def _describe(self) -> dict[str, Any]:
+        return {**super()._describe(), "l1": self.l1, "l2": self.l2}
+
 
 # Fluid's longer names.
 SGDOptimizer = SGD
 MomentumOptimizer = Momentum
 AdamOptimizer = Adam
 AdagradOptimizer = Adagrad
+FtrlOptimizer = Ftrl

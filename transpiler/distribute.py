@@ -15,7 +15,7 @@ output.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 
 from fluidps.endpoints import parse_endpoints
 from fluidps.errors import BuilderError
@@ -27,7 +27,7 @@ from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.plan import DistributedPlan, Slice
 from fluidps.transpiler.pserver_program import build_pserver_programs
 from fluidps.transpiler.slicing import dispatch, row_blocks
-from fluidps.transpiler.tables import find_distributed_tables
+from fluidps.transpiler.tables import DistributedTable, find_distributed_tables
 from fluidps.transpiler.trainer_program import build_trainer_program, build_trainer_startup
 
 
@@ -36,17 +36,22 @@ def plan_slices(
     roles: ProgramRoles,
     endpoints: tuple[str, ...],
     config: DistributeTranspilerConfig,
-    tables: Collection[str] = (),
+    tables: Mapping[str, DistributedTable] | None = None,
 ) -> list[Slice]:
     """Cut each optimized parameter into row blocks and place every block. A
     distributed table (in `tables`) is cut into one block per pserver whatever
     min_block_size and slice_var_up say, block k on pserver k: spreading its
-    rows is what it is for."""
+    rows is what it is for. A hashed table gets one shard per pserver, shard k on
+    pserver k, each of shape [-1, dim]."""
+    tables = tables or {}
     block = program.global_block()
     pending = []
     for update in roles.updates:
         param = block.var(update.param)
-        if update.param in tables:
+        hashed = update.param in tables and tables[update.param].hashed
+        if hashed:
+            blocks = [(0, -1)] * len(endpoints)
+        elif update.param in tables:
             blocks = row_blocks(param.shape, len(endpoints), 1, True)
         else:
             blocks = row_blocks(param.shape, len(endpoints), config.min_block_size, config.slice_var_up)
@@ -60,7 +65,7 @@ def plan_slices(
     placed = dispatch([p[1] for p in pending], endpoints, config.split_method)
     placed = [endpoints[p[3]] if p[0] in tables else ep for p, ep in zip(pending, placed, strict=True)]
     return [
-        Slice(p, n, g, k, o, s, d, ep, sp, p in tables)
+        Slice(p, n, g, k, o, s, d, ep, sp, p in tables, p in tables and tables[p].hashed)
         for (p, n, g, k, o, s, d, sp), ep in zip(pending, placed, strict=True)
     ]
 

@@ -33,6 +33,9 @@ class Slice:
     endpoint: str
     sparse: bool  # its gradient is a SelectedRows
     distributed: bool = False  # a block of a distributed table: prefetched by rows, never received whole
+    hashed: bool = (
+        False  # a shard of a hashed table: ids i with mix64(i) mod shards == block_id; shape [-1, dim]
+    )
 
     @property
     def rows(self) -> int:
@@ -40,6 +43,9 @@ class Slice:
 
     @property
     def nbytes(self) -> int:
+        """Bytes at the start (a hashed shard starts empty and grows with its ids)."""
+        if self.hashed:
+            return 0
         return math.prod(self.shape) * to_numpy_dtype(self.dtype).itemsize
 
 
@@ -103,6 +109,12 @@ class DistributedPlan:
         for i, ep in enumerate(self.endpoints):
             lines.append(f"pserver {i} {ep}: {per[ep]:,} bytes ({100 * per[ep] / total:.1f}%)")
             for s in self.slices_on(ep):
+                if s.hashed:
+                    lines.append(
+                        f"  {s.name:<28} shard {s.block_id} of hashed table {s.param} [-1, {s.shape[1]}], "
+                        "grows with its ids"
+                    )
+                    continue
                 kind = " distributed table" if s.distributed else " sparse" if s.sparse else ""
                 lines.append(
                     f"  {s.name:<28} rows {s.offset}..{s.offset + s.rows - 1} of {s.param}{kind} "
@@ -110,6 +122,12 @@ class DistributedPlan:
                 )
         for table in self.distributed_tables():
             blocks = self.slices_of(table)
+            if blocks[0].hashed:
+                lines.append(
+                    f"hashed table {table}: rows created by id in {len(blocks)} shard(s); id i lives on pserver "
+                    f"mix64(i) mod {len(blocks)}; trainers prefetch the rows of each batch"
+                )
+                continue
             lines.append(
                 f"distributed table {table}: {sum(s.rows for s in blocks):,} rows in {len(blocks)} block(s); "
                 "id i lives on the pserver whose block holds row i; trainers prefetch the rows of each batch"
@@ -136,9 +154,11 @@ class DistributedPlan:
                     "bytes": s.nbytes,
                     "sparse": s.sparse,
                     "distributed": s.distributed,
+                    "hashed": s.hashed,
                 }
                 for s in self.slices
             ],
             "distributed_tables": self.distributed_tables(),
+            "hashed_tables": [t for t in self.distributed_tables() if self.slices_of(t)[0].hashed],
             "notes": list(self.notes),
         }

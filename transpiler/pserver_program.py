@@ -11,7 +11,7 @@ listen_and_serv op; sub-blocks hold the work it runs:
 Blocks of distributed tables are listed in `distributed_tables`: trainers
 prefetch their rows by id instead of pulling them whole.
 Startup program: the original initializers of what this pserver owns, with
-their shape rewritten to the slice.
+their shape rewritten to the slice; a hashed table's shard is told which shard it is.
 """
 
 from __future__ import annotations
@@ -251,10 +251,14 @@ def _startup(startup: Program, b: _PserverBuilder) -> Program:
             )
         block.create_var(name, shape=var.shape, dtype=var.dtype, type=var.type, persistable=True)
         attrs = init.all_attrs()
+        shard = next((t for t in b.slices if t.name == name and t.hashed), None)
+        if shard is not None:
+            # Same seed on every shard: an id's initial row must not depend on where it lives.
+            attrs |= {"shard": shard.block_id, "shards": len([t for t in b.slices if t.param == shard.param])}
+        elif s is not None and attrs.get("seed"):
+            attrs["seed"] += s.block_id  # distinct but reproducible streams per slice
         if "shape" in attrs:
             attrs["shape"] = list(var.shape)
-        if s is not None and attrs.get("seed"):
-            attrs["seed"] += s.block_id  # distinct but reproducible streams per slice
         outputs = {slot: [name if n == origin else n for n in names] for slot, names in init.outputs.items()}
         append_role_op(
             block,

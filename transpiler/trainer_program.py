@@ -11,8 +11,8 @@ network round trips whatever the number of parameters. The trainer's
 startup program receives the initial parameters the same way, so every
 trainer starts from the pservers' values.
 
-Distributed tables (fluidps.transpiler.tables) are neither received nor
-initialized: their lookups become distributed_lookup_table ops, which prefetch
+Distributed tables (fluidps.transpiler.tables), hashed ones included, are neither
+received nor initialized: their lookups become distributed_lookup_table ops, which prefetch
 the batch's rows, and their gradient ops distributed_lookup_table_grad, which
 need no table; the table's variable is not in the trainer's programs at all.
 """
@@ -27,7 +27,7 @@ from fluidps.ops.roles import append_role_op
 from fluidps.transpiler.analysis import ProgramRoles, role
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.plan import Slice
-from fluidps.transpiler.tables import LOOKUPS
+from fluidps.transpiler.tables import HASHED_LOOKUP, LOOKUPS
 
 
 def build_trainer_program(
@@ -146,18 +146,21 @@ def receive_parameters(
 
 def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int) -> None:
     """Replace the lookups of `table` and their gradient ops by ops that need no table."""
+    hashed = blocks[0].hashed
     attrs = {
         "table_name": table,
         "table_names": [s.name for s in blocks],
         "endpoints": [s.endpoint for s in blocks],
-        "height_sections": [s.rows for s in blocks],
+        "height_sections": [] if hashed else [s.rows for s in blocks],
         "trainer_id": trainer_id,
+        "sharding": "id_hash" if hashed else "row_blocks",
     }
     for index, op in enumerate(list(block.ops)):
         forward = op.type.removesuffix("_grad")
-        if forward not in LOOKUPS or op.input("W") != [table]:
+        if forward not in (*LOOKUPS, HASHED_LOOKUP) or op.input("W") != [table]:
             continue
-        own = attrs | {"padding_idx": op.attr("padding_idx"), "lookup_table_version": forward}
+        version = "lookup_table" if forward == HASHED_LOOKUP else forward
+        own = attrs | {"padding_idx": op.attr("padding_idx"), "lookup_table_version": version}
         if op.type == forward:
             inputs, outputs = {"Ids": op.input("Ids")}, {"Outputs": op.output("Out")}
         else:
@@ -187,7 +190,16 @@ def _split_gradient(block: Block, grad: str, mine: list[Slice]) -> list[tuple[st
         block.create_var(s.grad, shape=(s.rows, *var.shape[1:]), dtype=var.dtype, type=kind)
     names = [s.grad for s in mine]
     sections = [s.rows for s in mine]
-    if var.type == VarType.SELECTED_ROWS:
+    if mine[0].hashed:
+        append_role_op(
+            block,
+            "shard_selected_rows",
+            {"X": grad},
+            {"Out": names},
+            {"table_name": mine[0].param},
+            role=OpRole.Dist,
+        )
+    elif var.type == VarType.SELECTED_ROWS:
         append_role_op(
             block,
             "split_selected_rows",

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from fluidps.errors import CheckpointError
+from fluidps.errors import CheckpointError, ExecutionError
 from fluidps.io import checkpoints as ckpt
+from fluidps.ops.sparse_table import SparseTable, TableSnapshot
 
 
 @dataclass(frozen=True)
@@ -77,14 +78,31 @@ class Checkpointer:
     def changed_since_last(self, steps: int) -> bool:
         return steps > self._last[0]
 
-    def save(self, values: dict[str, np.ndarray], steps: int, reason: str) -> ckpt.Checkpoint:
+    def _expand_hashed(self, values: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Hashed tables (or their snapshots) as their arrays, each a piece of its own
+        (io.checkpoints)."""
+        arrays, placements = {}, dict(self.placements)
+        for name, value in values.items():
+            if isinstance(value, SparseTable):
+                value = value.snapshot()
+            if not isinstance(value, TableSnapshot):
+                arrays[name] = value
+                continue
+            origin = self.placements[name].origin if name in self.placements else name
+            for key, array in value.arrays.items():
+                arrays[f"{name}.{key}"] = array
+                placements[f"{name}.{key}"] = ckpt.Placement(ckpt.hashed_piece(origin, value.shard, key))
+        return arrays, placements
+
+    def save(self, values: dict[str, Any], steps: int, reason: str) -> ckpt.Checkpoint:
         if self.store is None:
             raise CheckpointError(
                 "this pserver has no checkpoint directory: set DistributeTranspilerConfig(checkpoint_dir=...) "
                 "or FLUIDPS_CHECKPOINT_DIR"
             )
         started = time.monotonic()
-        saved = self.store.save(values, self.placements, steps, reason)
+        values, placements = self._expand_hashed(values)
+        saved = self.store.save(values, placements, steps, reason)
         self._last = (steps, time.monotonic())
         self.saved.append(ckpt.describe(saved))
         self.log(
@@ -104,13 +122,25 @@ class Checkpointer:
         if not found:
             self.log(f"no checkpoint in {self.store.directory}: starting from the startup program's values")
             return None
-        wanted = []
+        wanted, hashed = [], []
         for name, placement in self.placements.items():
+            if isinstance(env[name], SparseTable):
+                hashed.append((name, placement.origin))
+                continue
             value = np.asarray(env[name])
             wanted.append((name, placement.origin, placement.offset, value.shape, value.dtype))
         # Newest first, so that rows held by several checkpoints come from the latest one.
         sources = sorted(found.values(), key=lambda cv: cv[0].created, reverse=True)
         values = ckpt.assemble(wanted, sources)
+        shards = ckpt.hashed_tables(sources) if hashed else {}
+        for name, origin in hashed:
+            if origin not in shards:
+                raise CheckpointError(f"no checkpoint holds hashed table {origin!r} (needed for {name!r})")
+            try:
+                env[name].restore(shards[origin])  # keeps the ids this shard owns
+            except ExecutionError as e:
+                raise CheckpointError(f"cannot restore {name!r}: {e}") from None
+            values[name] = env[name]
         env.update(values)
         own = found.get(pserver_id)
         step = own[0].step if own is not None else max(c.step for c, _ in found.values())

@@ -39,6 +39,7 @@ from fluidps.io import checkpoints as ckpt
 from fluidps.ir.operator import Operator
 from fluidps.ir.types import DISTRIBUTED_MODES
 from fluidps.ops.selected_rows import SelectedRows
+from fluidps.ops.sparse_table import SparseTable
 
 if TYPE_CHECKING:
     from fluidps.executor.ps.host import PserverHost
@@ -58,6 +59,17 @@ ROWS_LIMIT = 1 << 22  # sparse row ids per gradient (its counts go on past it)
 # only while they are few; a message's text must stay far below the wire's limit.
 WIRE_CLOCK_EVENTS = 1000
 WIRE_UNIQUE_ROWS = 50_000
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux /proc), else its peak (getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class RowLog:
@@ -213,6 +225,10 @@ class ParameterServer:
             "checkpoints": list(self.checkpoints.saved),
             "restored_step": self.checkpoints.restored_step,
             "log": self.log_lines[-200:] if compact else list(self.log_lines),
+            "hashed_tables": {
+                n: v.stats() for n in self.served if isinstance(v := self.env.get(n), SparseTable)
+            },
+            "rss_bytes": resident_bytes(),
         }
         if rows is not None:
             out["received_rows"] = rows
@@ -341,6 +357,12 @@ class ParameterServer:
         if unknown:
             self.server.error(request, f"{self.name} holds no variable {', '.join(map(repr, unknown))}")
             return
+        hashed = [n for n in request.msg.names if isinstance(self.env[n], SparseTable)]
+        if hashed:
+            self.server.error(
+                request, f"{self.name}: hashed table {hashed[0]!r} is read by id (PREFETCH), never whole"
+            )
+            return
         self._pull(request)
 
     def _on_prefetch(self, request: Request) -> None:
@@ -353,9 +375,13 @@ class ParameterServer:
                     f"holds no distributed table {name!r} (its tables: {held}); the trainer's program was "
                     "transpiled for another job: transpile trainers and pservers together"
                 )
-            height = np.shape(self.env[name])[0]
             if isinstance(rows, SelectedRows) or rows.dtype != np.int64 or rows.ndim != 1:
                 raise ExecutionError(f"a prefetch of {name!r} must carry 1-D int64 row indices")
+            table = self.env[name]
+            if isinstance(table, SparseTable):
+                table.check_ids(rows, f"a prefetch of {name!r}")  # ids >= 0 that this shard owns
+                continue
+            height = np.shape(table)[0]
             bad = np.flatnonzero((rows < 0) | (rows >= height))
             if bad.size:
                 raise ExecutionError(
@@ -422,7 +448,10 @@ class ParameterServer:
         values = {}
         for name in self.checkpoints.placements:
             with self.locked(name):
-                values[name] = np.array(self.env[name], copy=True)
+                value = self.env[name]
+                values[name] = (
+                    value.snapshot() if isinstance(value, SparseTable) else np.array(value, copy=True)
+                )
         return self.checkpoints.save(values, self.strategy.steps, reason)
 
     def _on_checkpoint(self, request: Request) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from fluidps.executor.ps import gradients
 from fluidps.executor.ps.layered_env import LayeredEnv
 from fluidps.ops.selected_rows import SelectedRows
+from fluidps.ops.sparse_table import SparseTable
 
 if TYPE_CHECKING:
     from fluidps.executor.ps.parameter_server import ParameterServer
@@ -86,7 +87,10 @@ class Strategy:
     def read_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows of a distributed table's block (a copy), safe to send while workers update it."""
         with self.ps.locked(name):
-            return np.take(self.ps.env[name], rows, axis=0)
+            table = self.ps.env[name]
+            if isinstance(table, SparseTable):
+                return table.lookup(rows)  # ids; those without a row read their initial values
+            return np.take(table, rows, axis=0)
 
     def answered(self, trainer: int) -> None:
         """A GET of `trainer` was answered."""

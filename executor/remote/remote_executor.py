@@ -48,8 +48,9 @@ from fluidps.executor.transport.rpc import RpcClient, RpcSettings, wait_all
 from fluidps.executor.transport.security import Security
 from fluidps.executor.transport.wire import Kind, Message, json_fields
 from fluidps.ir.program import Program
-from fluidps.ir.types import OpRole
+from fluidps.ir.types import OpRole, to_numpy_dtype
 from fluidps.ops.selected_rows import SelectedRows
+from fluidps.ops.sparse_table import SparseTable, TableSettings
 from fluidps.transpiler.analysis import role, role_params
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
@@ -178,13 +179,43 @@ class RemoteExecutor:
                 self._startup = program  # what the pservers will initialize their slices with
             return self._local.run(program, feed, fetch_names, return_numpy=return_numpy)
         scope = Scope()
-        for name, value in self.scope.gather(reads | writes).items():
+        tables = self._hashed_rows(program, feed)
+        for name, value in self.scope.gather((reads | writes) - set(tables)).items():
             scope[name] = value.copy()
+        for name, table in tables.items():
+            scope[name] = table
         results = self._local.run(program, feed, fetch_names, scope=scope, return_numpy=return_numpy)
         changed = {n: scope[n] for n in writes if n in scope}
         if changed:
             self.scope.scatter(changed)
         return results
+
+    def _hashed_rows(self, program: Program, feed: dict[str, Any]) -> dict[str, SparseTable]:
+        """For each hashed table the program reads, a local table holding the rows of the
+        fed ids (asked of the pservers): evaluating costs the batch, never the table."""
+        d = self._deployment
+        ids_of: dict[str, list[str]] = {}
+        for op in program.global_block().ops:
+            if op.type == "lookup_sparse_table":
+                ids_of.setdefault(op.input("W")[0], []).append(op.input("Ids")[0])
+        tables = {}
+        for table, names in ids_of.items():
+            shards = d.plan.slices_of(table)
+            if not shards:
+                continue
+            unfed = [n for n in names if n not in feed]
+            if unfed:
+                raise UnsupportedError(
+                    f"hashed table {table!r} lives on the pservers: its ids {unfed} must be fed to run this "
+                    "program outside a training step"
+                )
+            ids = np.unique(np.concatenate([np.asarray(feed[n], dtype=np.int64).reshape(-1) for n in names]))
+            ids = ids[ids >= 0]  # negative ids fail in the lookup, naming the table
+            dim, dtype = shards[0].shape[1], np.dtype(to_numpy_dtype(shards[0].dtype)).name
+            local = SparseTable(table, TableSettings(dim=dim, dtype=dtype), capacity=max(16, 2 * len(ids)))
+            local.rows.add(ids, self.scope.table_rows(table, ids))
+            tables[table] = local
+        return tables
 
     def _train(self, program: Program, feed: dict[str, Any], fetch_names: list[str]) -> list[Any]:
         d = self._deployment
@@ -305,6 +336,12 @@ class RemoteExecutor:
             placed = {p.var for p in plan.placements}
             stats = _ask_all(observers, Kind.STATS)
             resumed = {s["restored_step"] for s in stats.values()} - {None}
+            trained = [n for n in placed if isinstance(v := staged.find(n), SparseTable) and len(v)]
+            if trained:
+                raise UnsupportedError(
+                    f"hashed table {trained[0]!r} holds rows trained in this client; a job starts its hashed "
+                    "tables empty (or from its checkpoints): run the startup program again before training"
+                )
             if not resumed:
                 self.scope.scatter({n: v for n in placed if _is_value(v := staged.find(n))})
             for s, p in zip(trainers, plans, strict=True):

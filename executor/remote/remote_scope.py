@@ -22,6 +22,8 @@ from fluidps.errors import ExecutionError
 from fluidps.executor.scope import Scope, Value, as_value
 from fluidps.executor.transport.rpc import wait_all
 from fluidps.executor.transport.wire import Kind, Message
+from fluidps.ir.types import to_numpy_dtype
+from fluidps.ops.sparse_table import owners
 
 if TYPE_CHECKING:
     from fluidps.executor.remote.remote_executor import Deployment
@@ -56,6 +58,28 @@ class RemoteScope:
 
     # -- batched ---------------------------------------------------------------------------
 
+    def table_rows(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """The rows of `ids` (unique int64) of hashed table `table`, asked of the pservers
+        owning them (an observer's PREFETCH: it changes nothing, and ids without a row read
+        their initial values). Only the asked rows travel."""
+        d = self.deployment
+        shards = d.plan.slices_of(table) if d is not None else []
+        if not shards or not shards[0].hashed:
+            raise ExecutionError(f"{table!r} is not a hashed table of this job")
+        owner = owners(ids, len(shards))
+        pending = {}
+        for s in shards:
+            mine = owner == s.block_id
+            if mine.any():
+                message = Message(Kind.PREFETCH, trainer_id=-1, tensors={s.name: ids[mine]})
+                pending[s.block_id] = (d.pservers[s.endpoint], d.pservers[s.endpoint].request(message))
+        replies = wait_all(pending)
+        rows = np.empty((len(ids), shards[0].shape[1]), dtype=to_numpy_dtype(shards[0].dtype))
+        for s in shards:
+            if s.block_id in replies:
+                rows[owner == s.block_id] = replies[s.block_id].tensors[s.name]
+        return rows
+
     def gather(self, names: Iterable[str]) -> dict[str, Value]:
         """The values of `names` the job holds (names it does not hold are left out)."""
         names = list(dict.fromkeys(names))
@@ -63,6 +87,12 @@ class RemoteScope:
         if d is None:
             return {n: v for n in names if (v := self.staging.find(n)) is not None}
         wanted = [n for n in names if n not in self._cache]
+        hashed = [n for n in wanted if any(s.hashed for s in d.plan.slices_of(n))]
+        if hashed:
+            raise ExecutionError(
+                f"hashed table {hashed[0]!r} lives on the pservers and is never gathered whole: read rows with "
+                f"exe.scope.table_rows({hashed[0]!r}, ids), or export it with `fluidps checkpoint merge`"
+            )
         if wanted:
             self._cache.update(self._fetch(d, wanted))
         return {n: self._cache[n] for n in names if n in self._cache}

@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 from fluidps.errors import WireError
 from fluidps.executor.transport import wire_pb2 as pb
 from fluidps.ir.types import VarType, to_numpy_dtype, to_vartype
-from fluidps.ops.selected_rows import SelectedRows
+from fluidps.ops.selected_rows import HASHED_HEIGHT, SelectedRows
 
 Kind = pb.Kind
 ALLOWED_DTYPES = frozenset(
@@ -206,7 +206,12 @@ def _tensor(meta: pb.TensorMeta, name: str, frames: list[Any]) -> Any:
         )
     rows = np.frombuffer(rows_buffer, dtype="<i8")
     height = meta.height
-    if height < 0 or height > MAX_DIM or (rows.size and (rows.min() < 0 or rows.max() >= height)):
+    # A hashed table's gradient spans every id (HASHED_HEIGHT); others are bounded tables.
+    if (
+        height < 0
+        or (height > MAX_DIM and height != HASHED_HEIGHT)
+        or (rows.size and (rows.min() < 0 or rows.max() >= height))
+    ):
         raise WireError(f"sparse tensor {name!r}: row ids must be in [0, {height})")
     return SelectedRows(rows, array, height)
 

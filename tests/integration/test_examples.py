@@ -36,6 +36,21 @@ def test_ctr_embedding_auc_in_reduced_form():
     assert metrics["test_auc"] > 0.7
 
 
+def test_ctr_hashed_trains_over_raw_hashes_the_same_locally_and_in_a_job():
+    """A RemoteExecutor job of 2 pservers creates and evicts the same rows as local
+    training, and both learn (AUC well above chance)."""
+    import ctr_hashed
+
+    job = ctr_hashed.train(train_examples=40_000, test_examples=5_000, progress=False)
+    local = ctr_hashed.train(train_examples=40_000, test_examples=5_000, local=True, progress=False)
+    assert local["test_auc"] > 0.7 and abs(job["test_auc"] - local["test_auc"]) < 0.01
+    shards = list(job["shards"].values())
+    assert len(shards) == 2 and all(s["rss_bytes"] > 0 for s in shards)
+    for counter in ("rows", "created", "evicted", "pending_ids"):
+        assert sum(s[counter] for s in shards) == local["shards"]["local"][counter]
+    assert local["shards"]["local"]["rows"] < local["distinct_ids"]  # admission keeps rare ids out
+
+
 def test_examples_run_as_scripts(tmp_path):
     import subprocess
 

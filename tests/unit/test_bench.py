@@ -22,6 +22,7 @@ SPARSE_KEYS = {
     "kernel_ms",
     "numpy_add_at_ms",
     "speedup",
+    "rows_per_s",
 }
 SPARSE_TIMES = ("fluidps_ms", "kernel_ms", "numpy_add_at_ms", "speedup")
 
@@ -42,17 +43,28 @@ def bench(module: str, *args: str) -> list[dict]:
 
 
 def assert_sparse_rows(rows: list[dict], table_rows: int, n_rows: int, width: int) -> None:
-    assert [r["workload"] for r in rows] == ["sgd_sparse_rows", "adam_lazy_sparse_rows"]
-    for r in rows:
+    assert [r["workload"] for r in rows] == [
+        "sgd_sparse_rows",
+        "adam_lazy_sparse_rows",
+        "hashed_adam_lookup_update",
+    ]
+    for r in rows[:2]:
         assert set(r) == SPARSE_KEYS
-        assert (r["table_rows"], r["rows"], r["width"]) == (table_rows, n_rows, width)
         for key in SPARSE_TIMES:
             assert isinstance(r[key], float) and r[key] > 0, (r["workload"], key, r[key])
+    assert set(rows[2]) == {"workload", "table_rows", "rows", "width", "fluidps_ms", "rows_per_s"}
+    for r in rows:
+        assert (r["table_rows"], r["rows"], r["width"]) == (table_rows, n_rows, width)
+        assert r["rows_per_s"] > 0 and r["fluidps_ms"] > 0
 
 
 def test_sparse_update_bench_prints_one_row_per_workload():
-    rows = bench("sparse_update", "--table-rows", "300", "--rows", "40", "--width", "4", "--repeats", "2")
-    assert_sparse_rows(rows, 300, 40, 4)
+    args = ["--table-rows", "300", "--rows", "40", "--width", "4", "--repeats", "2", "--hashed-ids", "5000"]
+    rows = bench("sparse_update", *args)
+    assert_sparse_rows(rows[:3], 300, 40, 4)
+    (memory,) = rows[3:]
+    assert memory["workload"] == "hashed_table_memory" and memory["ids"] >= 5000
+    assert memory["table_bytes"] > memory["ideal_bytes"] == memory["ids"] * (4 + 10) * 4
 
 
 @pytest.mark.parametrize("with_torch", [False, True], ids=["fluidps", "torch"])
@@ -69,6 +81,7 @@ def test_local_bench_rows(with_torch):
         "ctr_embedding",
         "sgd_sparse_rows",
         "adam_lazy_sparse_rows",
+        "hashed_adam_lookup_update",
     ]
     training, sparse = rows[:4], rows[4:]
     peer_keys = {"torch", "fluidps_vs_torch"} if with_torch else set()
@@ -132,3 +145,13 @@ def test_distributed_bench_runs_the_ctr_model_with_a_distributed_table():
         assert r["distributed_table"] is True and r["samples_per_s"] > 0 and r["loss"] > 0
     for job in training[1::2]:
         assert "stats_error" not in job and job["vs_local"] > 0
+
+
+def test_distributed_bench_runs_the_ctr_model_over_a_hashed_table():
+    args = ["--quick", "--models", "ctr_hashed", "--topologies", "1x1", "--modes", "sync"]
+    rows = bench("distributed", *args, "--no-torch", "--bandwidth-mib", "1")
+    training = [r for r in rows if r.get("bench") == "ctr_hashed"]
+    assert [r["mode"] for r in training] == ["local", "sync"]
+    for r in training:
+        assert r["table"] == "hashed x8" and r["samples_per_s"] > 0 and r["loss"] > 0
+    assert "stats_error" not in training[1] and training[1]["vs_local"] > 0

@@ -56,7 +56,7 @@ def _train(main, startup, loss, steps=3, dtype=np.float32):
     return exe, before, grads_seen
 
 
-@pytest.mark.parametrize("name", ["sgd", "momentum", "nesterov", "adagrad", "adam"])
+@pytest.mark.parametrize("name", ["sgd", "momentum", "nesterov", "adagrad", "adam", "ftrl"])
 def test_updates_follow_fluids_formulas(name):
     factories = {
         "sgd": lambda: optimizer.SGD(0.1),
@@ -64,6 +64,7 @@ def test_updates_follow_fluids_formulas(name):
         "nesterov": lambda: optimizer.Momentum(0.1, 0.9, use_nesterov=True),
         "adagrad": lambda: optimizer.Adagrad(0.1, epsilon=1e-6),
         "adam": lambda: optimizer.Adam(0.1, beta1=0.9, beta2=0.999, epsilon=1e-8),
+        "ftrl": lambda: optimizer.Ftrl(0.1, l1=0.01, l2=0.1),
     }
     main, startup, loss, *_ = _model(factories[name], dtype="float64")
     exe, before, grads = _train(main, startup, loss, dtype=np.float64)
@@ -80,6 +81,14 @@ def test_updates_follow_fluids_formulas(name):
             elif name == "adagrad":
                 m = state["m"] = state.get("m", 0) + g * g
                 value -= lr * g / (np.sqrt(m) + f32(1e-6))
+            elif name == "ftrl":  # Paddle's ftrl op, lr_power -0.5
+                l1, l2, squared = f32(0.01), f32(0.1), state.get("n", 0)
+                new = squared + g * g
+                linear = state["z"] = state.get("z", 0) + g - (np.sqrt(new) - np.sqrt(squared)) / lr * value
+                state["n"] = new
+                value = np.where(
+                    np.abs(linear) > l1, (l1 * np.sign(linear) - linear) / (np.sqrt(new) / lr + 2 * l2), 0
+                )
             else:
                 m1 = state["m1"] = b1 * state.get("m1", 0) + (1 - b1) * g
                 m2 = state["m2"] = b2 * state.get("m2", 0) + (1 - b2) * g * g
