@@ -29,7 +29,7 @@ mix64(i) mod K equal to its shard number (`shard_of`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -391,9 +391,6 @@ class SparseTable:
                 fresh.pending.updated[prow] = src["pending_seen"][mine]
         fresh.clock = max((int(src["counters"][0]) for src in sources), default=0)
         self.__dict__.update(fresh.__dict__)
-
-    def settings_dict(self) -> dict:
-        return asdict(self.settings)
 
     def __repr__(self) -> str:
         return f"SparseTable({self.name!r}, {len(self)} rows of {self.dim}, shard {self.settings.shard}/{self.settings.shards})"

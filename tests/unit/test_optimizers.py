@@ -150,7 +150,8 @@ def test_clipping_sparse_gradients_uses_the_merged_rows():
     # Dense gradient: row 1 gets 2 (looked up twice), row 3 gets 1: norm sqrt(4+4+1+1).
     dense = np.zeros((5, 2))
     dense[1], dense[3] = 2.0, 1.0
-    np.testing.assert_allclose(exe.scope["embedding_0.w_0"], w0 - dense / np.sqrt(10.0), rtol=1e-6)
+    # float32 values near 0 (the initial rows are random): compare to float32 rounding
+    np.testing.assert_allclose(exe.scope["embedding_0.w_0"], w0 - dense / np.sqrt(10.0), rtol=1e-6, atol=1e-7)
 
 
 def test_l2_decay_refuses_sparse_gradients():
