@@ -64,6 +64,14 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((ranks[labels].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
+def head(flat, dense, label):
+    """(loss, click probability) of the MLP over the flattened embeddings and dense features."""
+    h = layers.fc(layers.concat([flat, dense], axis=1), 64, act="relu")
+    h = layers.fc(h, 32, act="relu")
+    logits = layers.fc(h, 2)
+    return layers.mean(layers.softmax_with_cross_entropy(logits, label)), layers.softmax(logits)
+
+
 def build(
     embedding_dim: int = 8, learning_rate: float = 0.002, seed: int = 1, distributed_table: bool = False
 ):
@@ -78,12 +86,7 @@ def build(
         emb = layers.embedding_v2(
             ids, [VOCAB, embedding_dim], is_sparse=True, is_distributed=distributed_table
         )
-        flat = layers.reshape(emb, [-1, FIELDS * embedding_dim])
-        h = layers.fc(layers.concat([flat, dense], axis=1), 64, act="relu")
-        h = layers.fc(h, 32, act="relu")
-        logits = layers.fc(h, 2)
-        loss = layers.mean(layers.softmax_with_cross_entropy(logits, label))
-        prob = layers.softmax(logits)
+        loss, prob = head(layers.reshape(emb, [-1, FIELDS * embedding_dim]), dense, label)
         test_program = main.clone(for_test=True)
         optimizer.Adam(learning_rate, lazy_mode=True).minimize(loss)
     return main, startup, test_program, loss, prob

@@ -9,7 +9,7 @@ are rare) and hashed with its field into [0, 2^40). There is no vocabulary: the
 embedding is `layers.sparse_embedding`, whose rows are created on the pservers as
 ids are trained (after 2 sightings: `min_count=2`) and evicted when not trained
 for 200 steps (a shrink every 50 steps). Clicks come from a hidden logistic model.
-The job prints the held-out AUC and, per pserver, the rows created and evicted and
+The MLP over the embeddings is examples/ctr_embedding.py's. The job prints the held-out AUC and, per pserver, the rows created and evicted and
 the memory its table shard holds.
 """
 
@@ -19,7 +19,7 @@ import argparse
 import time
 
 import numpy as np
-from ctr_embedding import auc
+from ctr_embedding import auc, head
 from tqdm import tqdm
 
 import fluidps
@@ -80,12 +80,7 @@ def build(embedding_dim: int = 8, learning_rate: float = 0.002, seed: int = 1):
             ttl_steps=200,
             shrink_every=50,
         )
-        flat = layers.reshape(emb, [-1, FIELDS * embedding_dim])
-        h = layers.fc(layers.concat([flat, dense], axis=1), 64, act="relu")
-        h = layers.fc(h, 32, act="relu")
-        logits = layers.fc(h, 2)
-        loss = layers.mean(layers.softmax_with_cross_entropy(logits, label))
-        prob = layers.softmax(logits)
+        loss, prob = head(layers.reshape(emb, [-1, FIELDS * embedding_dim]), dense, label)
         test_program = main.clone(for_test=True)
         optimizer.Adam(learning_rate).minimize(loss)
     return main, startup, test_program, loss, prob

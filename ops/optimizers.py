@@ -342,15 +342,16 @@ class _Step:
         self.dtype, self.shape = param.dtype, param.shape
         self.scalar = param.dtype.type
 
-    def state(self, slot: str) -> np.ndarray:
-        """The array `slot`'s update writes into, also stored as `<slot>Out`.
+    def state(self, slot: str, out_slot: str | None = None) -> np.ndarray:
+        """The array `slot`'s update writes into, also stored as `<slot>Out` (or as
+        `out_slot`: Paddle's FTRL names its outputs SquaredAccumOut, LinearAccumOut).
 
         Fluid updates in place (ParamOut names Param): then the input array
         itself is written. When the output names another variable, or the input
         cannot be written in place (read-only, strided, another dtype), a copy is
         updated and stored under the output name instead.
         """
-        in_name, out_name = self.op.input(slot), self.op.output(slot + "Out")
+        in_name, out_name = self.op.input(slot), self.op.output(out_slot or slot + "Out")
         value = self.env[in_name]
         if not isinstance(value, np.ndarray) or value.size != int(np.prod(self.shape, dtype=np.int64)):
             raise ExecutionError(
@@ -477,33 +478,11 @@ def _ftrl_kernel(op: KernelOp) -> Runner:
         lr = step.value("LearningRate")
         rows, g, view, _ = step.grad(merge=True)
         p = step.state("Param").reshape(view)
-        squared = _accumulator(step, "SquaredAccumulator", "SquaredAccumOut").reshape(view)
-        linear = _accumulator(step, "LinearAccumulator", "LinearAccumOut").reshape(view)
+        squared = step.state("SquaredAccumulator", "SquaredAccumOut").reshape(view)
+        linear = step.state("LinearAccumulator", "LinearAccumOut").reshape(view)
         _ftrl_rows(p, squared, linear, rows, g, lr, step.scalar(l1), step.scalar(l2))
 
     return run
-
-
-def _accumulator(step: _Step, slot: str, out_slot: str) -> np.ndarray:
-    """Like _Step.state, for Paddle's FTRL slots whose outputs are not `<slot>Out`."""
-    op, env = step.op, step.env
-    in_name, out_name = op.input(slot), op.output(out_slot)
-    value = env[in_name]
-    if not isinstance(value, np.ndarray) or value.shape != step.shape:
-        raise ExecutionError(
-            f"{op.type}: {slot} {in_name!r} ({_describe(value)}) does not match Param {list(step.shape)}"
-        )
-    target = (
-        value
-        if out_name == in_name
-        and value.dtype == step.dtype
-        and value.flags.c_contiguous
-        and value.flags.writeable
-        else np.array(value, dtype=step.dtype, order="C")
-    )
-    if out_name is not None:
-        env[out_name] = target
-    return target
 
 
 @family.kernel("adam")

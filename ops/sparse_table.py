@@ -217,8 +217,8 @@ class SparseTable:
             )
         self.clock += 1
         if len(ids):
-            _, shows = np.unique(ids, return_counts=True)
-            merged_ids, g = merge_rows(ids, np.ascontiguousarray(grad, dtype=self.dtype))
+            merged_ids, g = merge_rows(ids, np.ascontiguousarray(grad, dtype=self.dtype))  # sorted, unique
+            shows = np.bincount(np.searchsorted(merged_ids, ids), minlength=len(merged_ids))
             rows = self.rows.rows_of(merged_ids)
             if (rows < 0).any():
                 self._admit(merged_ids[rows < 0])

@@ -79,12 +79,9 @@ class Checkpointer:
         return steps > self._last[0]
 
     def _expand_hashed(self, values: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """Hashed tables (or their snapshots) as their arrays, each a piece of its own
-        (io.checkpoints)."""
+        """Hashed tables' snapshots as their arrays, each a piece of its own (io.checkpoints)."""
         arrays, placements = {}, dict(self.placements)
         for name, value in values.items():
-            if isinstance(value, SparseTable):
-                value = value.snapshot()
             if not isinstance(value, TableSnapshot):
                 arrays[name] = value
                 continue
