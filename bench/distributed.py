@@ -2,6 +2,7 @@
 
     python -m bench.distributed [--quick] [--scale 1.0] [--models digits_mlp,ctr_embedding,ctr_distributed,ctr_hashed]
                                 [--topologies 1x1,2x1,2x2] [--modes sync,async] [--ctr-vocab N[,N...]]
+                                [--hashed-ids N]
 
 About a minute and a half on two cores; --quick (1x1 and 2x2 jobs, a few steps, a
 100,000-row table) is a smoke run. The models come from examples/ (scikit-learn
@@ -25,6 +26,11 @@ is split across the trainers), next to fluidps.Executor on the same programs
 and batches ("local" rows) and, when PyTorch is importable, bench.local's
 PyTorch models (torch rows: the digits one trains with SGD, not Adam).
 
+Memory (with --hashed-ids N): hashed_job_memory, a 1-trainer x 2-pserver job whose
+hashed table (width 16, Adam) is fed N distinct ids, 65,536 a step: each pserver's table
+bytes and RSS against the ideal N x (16 + 34 state values) x 4 bytes, and the trainer's
+RSS after its first step and at the end (it holds no rows, whatever N is).
+
 Bandwidth (MiB/s of a 16 MiB float32 parameter, 4M elements, median of `repeats`):
 - fluidps pull: exe.scope[name] (a GET to the one pserver of a 1x1 job)
 - fluidps push: exe.scope[name] = value (a SET to the pserver, and to the trainer,
@@ -35,8 +41,8 @@ Bandwidth (MiB/s of a 16 MiB float32 parameter, 4M elements, median of `repeats`
 
 Every process runs one BLAS / numba thread; rows say how many processes
 shared the machine's cores. A job row also gives its setup time (servers
-started, startup run, job deployed) and the time of exe.pserver_stats() at the
-end (sync jobs check that every pserver ran one optimization per step; a
+started, startup run, job deployed), each process's RSS at the end, and the time
+of exe.pserver_stats() at the end (sync jobs check that every pserver ran one optimization per step; a
 failing call is reported in `stats_error`, the timing stands).
 """
 
@@ -191,6 +197,7 @@ def run_job(
         except fluidps.Error as e:  # reported in the row; the timing above stands
             stats, stats_error = None, str(e)
         stats_ms = (time.perf_counter() - stats_start) * 1e3
+        trainers_rss = [t["rss_bytes"] for t in exe.trainer_stats()]
     batch = len(next(iter(w.batches[0].values())))
     fields = {
         "steps": w.steps * repeats,
@@ -198,7 +205,10 @@ def run_job(
         "loss": round(float(last[0]), 4),
         "setup_s": round(setup_s, 2),  # servers started, startup run, job deployed
         "stats_ms": round(stats_ms, 1),  # exe.pserver_stats() at the end
+        "trainer_rss_mib": [mib(b) for b in trainers_rss],
     }
+    if stats is not None:
+        fields["pserver_rss_mib"] = [mib(s["rss_bytes"]) for s in stats.values()]
     if stats_error is not None:
         fields["stats_error"] = stats_error
     elif mode == "sync":  # every pserver ran one optimization per step
@@ -239,6 +249,56 @@ def bench_training(w: Workload, torch, repeats: int, warmup: int, topologies, mo
             row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
             row["vs_local"] = round(rate / local, 3)
             print(json.dumps(row), flush=True)
+
+
+def mib(nbytes: int) -> float:
+    return round(nbytes / MIB, 1)
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+
+def bench_hashed_job_memory(ids_wanted: int, pservers: int = 2, dim: int = 16) -> dict:
+    """Feed a job's hashed table `ids_wanted` distinct ids; where the memory went."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        ids = layers.data("ids", [1], dtype="int64")
+        loss = layers.mean(layers.sparse_embedding(ids, [-1, dim]))
+        optimizer.Adam(0.001).minimize(loss)
+    batch = min(65536, max(1, ids_wanted // 10))
+    rng = np.random.default_rng(0)
+    start, fed = time.perf_counter(), 0
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=pservers, trainers=1)) as exe:
+        exe.run(startup)
+        while fed < ids_wanted:
+            exe.run(main, feed={"ids": rng.integers(0, 2**62, (batch, 1))}, fetch_list=[loss])
+            if not fed:
+                first_rss = exe.trainer_stats()[0]["rss_bytes"]
+            fed += batch
+        seconds = time.perf_counter() - start
+        (trainer,) = exe.trainer_stats()
+        shards = [
+            next(iter(s["hashed_tables"].values())) | {"rss": s["rss_bytes"]}
+            for s in exe.pserver_stats().values()
+        ]
+    rows = sum(s["rows"] for s in shards)
+    ideal = rows * (dim + 2 * dim + 2) * 4  # values, Adam's two moments and two beta powers
+    return {
+        "bench": "hashed_job_memory",
+        "trainers": 1,
+        "pservers": pservers,
+        "ids_fed": fed,
+        "rows": rows,
+        "width": dim,
+        "ideal_mib": mib(ideal),
+        "pserver_table_mib": [mib(s["bytes"]) for s in shards],
+        "pserver_rss_mib": [mib(s["rss"]) for s in shards],
+        "table_over_ideal": round(sum(s["bytes"] for s in shards) / ideal, 2),
+        "pserver_rss_over_ideal": round(sum(s["rss"] for s in shards) / ideal, 2),
+        "trainer_rss_first_step_mib": mib(first_rss),
+        "trainer_rss_mib": mib(trainer["rss_bytes"]),
+        "ids_per_s": round(fed / seconds),
+    }
 
 
 # -- bandwidth ------------------------------------------------------------------------------
@@ -411,6 +471,9 @@ def main(argv: list[str] | None = None) -> None:
         "--ctr-vocab", default=str(ctr_embedding.VOCAB), help="rows of the CTR table; a comma list runs each"
     )
     parser.add_argument("--bandwidth-mib", type=int, default=16)
+    parser.add_argument(
+        "--hashed-ids", type=int, default=0, help="also feed a hashed table's job this many ids"
+    )
     parser.add_argument("--no-torch", action="store_true")
     args = parser.parse_args(argv)
     repeats, warmup, scale = args.repeats, 5, args.scale
@@ -450,6 +513,8 @@ def main(argv: list[str] | None = None) -> None:
                 bench_training(w, torch, repeats, warmup, topologies, modes)
         else:
             raise SystemExit(f"unknown model {name!r}")
+    if args.hashed_ids:
+        print(json.dumps(bench_hashed_job_memory(args.hashed_ids)), flush=True)
     bench_bandwidth(args.bandwidth_mib * MIB, max(int(20 * scale), 5))
 
 

@@ -10,6 +10,8 @@ random rows (repeats included, as an embedding batch gives them):
 - hashed_adam_lookup_update: what a pserver shard of a hashed table does per step: look
   up the batch's unique ids, then apply their Adam gradient (rows kept per id, each with
   its own state); next to adam_lazy_sparse_rows on a fixed table, as rows/s
+- hashed_checkpoint_delta: a checkpoint of that shard after 5 steps, whole (base) and
+  as a delta of the previous one (only the rows the steps updated): bytes and ms each
 - hashed_table_memory (with --hashed-ids N): a hashed table (dim --width, Adam) fed N
   distinct ids: its bytes and this process's RSS growth against N x (dim + state) x 4
 fluidps_ms runs the op through fluidps.Executor (the parameter and its state
@@ -28,13 +30,15 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMB
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import fluidps  # noqa: E402
-from fluidps.executor.ps.parameter_server import resident_bytes  # noqa: E402
+from fluidps.executor.resources import resident_bytes  # noqa: E402
+from fluidps.io import checkpoints as ckpt  # noqa: E402
 from fluidps.ir.types import VarType  # noqa: E402
 from fluidps.ops import REGISTRY  # noqa: E402
 from fluidps.ops.hashed_table import state_width  # noqa: E402
@@ -163,13 +167,48 @@ def bench_hashed_adam(args: argparse.Namespace, grads: list[SelectedRows]) -> di
         table.update(ids, value, LR)
 
     ms = median_ms(step, args.repeats)
-    return {
+    trained = {
         "workload": "hashed_adam_lookup_update",
         "table_rows": len(table),
         "rows": args.rows,
         "width": args.width,
         "fluidps_ms": round(ms, 4),
         "rows_per_s": round(args.rows / ms * 1e3),
+    }
+    return trained, bench_hashed_checkpoint(args, table, step)
+
+
+def bench_hashed_checkpoint(args: argparse.Namespace, table: SparseTable, step: Callable[[], None]) -> dict:
+    """Save `table` whole, train 5 steps, then save it whole again and as a delta."""
+
+    def save(
+        store: ckpt.CheckpointStore, since: int | None, base: int | None
+    ) -> tuple[ckpt.Checkpoint, float]:
+        start = time.perf_counter()
+        snapshot = table.snapshot(since)
+        arrays = {f"bench.{key}": array for key, array in snapshot.arrays.items()}
+        places = {name: ckpt.Placement(ckpt.hashed_piece("bench", 0, name[6:])) for name in arrays}
+        saved = store.save(arrays, places, table.clock, "bench", base=base)
+        return saved, (time.perf_counter() - start) * 1e3
+
+    with tempfile.TemporaryDirectory() as directory:
+        store = ckpt.CheckpointStore(directory, 0, keep=10)
+        first, _ = save(store, None, None)
+        since = table.clock
+        for _ in range(5):
+            step()
+        whole, whole_ms = save(store, None, None)
+        delta, delta_ms = save(store, since, first.count)
+    return {
+        "workload": "hashed_checkpoint_delta",
+        "table_rows": len(table),
+        "rows_updated": int((table.rows.updated[: len(table)] > since).sum()),
+        "width": args.width,
+        "base_bytes": whole.data_bytes,
+        "delta_bytes": delta.data_bytes,
+        "base_ms": round(whole_ms, 1),
+        "delta_ms": round(delta_ms, 1),
+        "delta_over_base": round(delta.data_bytes / whole.data_bytes, 4),
     }
 
 
@@ -236,8 +275,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         for _ in range(4)
     ]
-    for bench in (bench_sgd, bench_lazy_adam, bench_hashed_adam):
+    for bench in (bench_sgd, bench_lazy_adam):
         print(json.dumps(bench(args, grads)), flush=True)
+    for result in bench_hashed_adam(args, grads):
+        print(json.dumps(result), flush=True)
     if args.hashed_ids:
         print(json.dumps(bench_hashed_memory(args)), flush=True)
 

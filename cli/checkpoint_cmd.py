@@ -27,15 +27,23 @@ def list_checkpoints(directory: str) -> None:
     bad = len(unreadable)
     for problem in unreadable:
         click.echo(f"BAD: {problem}")
-    for c in found:
+    intact = set()  # (pserver, count) of the checkpoints that load
+    for c in found:  # oldest first: a delta's base comes before it
         try:
             c.load()
             state = "ok"
+            if c.base is not None and (c.pserver_id, c.base) not in intact:
+                state = f"BAD: its base #{c.base} is missing or corrupt"
         except CheckpointError as e:
-            state, bad = f"BAD: {e}", bad + 1
+            state = f"BAD: {e}"
+        if state == "ok":
+            intact.add((c.pserver_id, c.count))
+        else:
+            bad += 1
+        kind = "base" if c.base is None else f"delta of #{c.base}"
         click.echo(
-            f"pserver {c.pserver_id} #{c.count:<4} step {c.step:<7} {c.reason:<10} {len(c.pieces):>3} vars "
-            f"{c.data_bytes:>12,} bytes  {state}"
+            f"pserver {c.pserver_id} #{c.count:<4} step {c.step:<7} {c.reason:<10} {kind:<13} "
+            f"{len(c.pieces):>3} vars {c.data_bytes:>12,} bytes  {state}"
         )
     if bad:
         raise SystemExit(CHECK_FAILED)

@@ -23,7 +23,8 @@ given no RuntimeConfig reads them when a program first needs its runtime):
   FLUIDPS_KEYS, FLUIDPS_INSECURE  CURVE keys (fluidps keys gen); serve non-loopback in the clear
   FLUIDPS_ELASTIC               1: trainers are disposable (pservers evict and readmit them)
   FLUIDPS_CHECKPOINT_DIR, FLUIDPS_CHECKPOINT_EVERY_STEPS, FLUIDPS_CHECKPOINT_EVERY_SECONDS,
-  FLUIDPS_CHECKPOINT_KEEP       every pserver's checkpoints, instead of its program's settings
+  FLUIDPS_CHECKPOINT_KEEP, FLUIDPS_CHECKPOINT_BASE_EVERY
+                                every pserver's checkpoints, instead of its program's settings
 
 Only this module, the CLI and the launcher read the environment; the objects they
 configure are given their configuration.
@@ -63,6 +64,7 @@ CONTRACT_VARS = (
     "FLUIDPS_CHECKPOINT_EVERY_STEPS",
     "FLUIDPS_CHECKPOINT_EVERY_SECONDS",
     "FLUIDPS_CHECKPOINT_KEEP",
+    "FLUIDPS_CHECKPOINT_BASE_EVERY",
 )
 
 # int() would also take "+3", "1_000" or "٣"; a rank or port is plain ASCII digits.
@@ -208,6 +210,7 @@ def checkpoint_overrides_from_env(environ: Mapping[str, str] | None = None) -> C
         every_steps=number("FLUIDPS_CHECKPOINT_EVERY_STEPS", int, 0),
         every_seconds=number("FLUIDPS_CHECKPOINT_EVERY_SECONDS", float, 0),
         keep=number("FLUIDPS_CHECKPOINT_KEEP", int, 1),
+        base_every=number("FLUIDPS_CHECKPOINT_BASE_EVERY", int, 1),
     )
 
 

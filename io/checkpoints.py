@@ -23,6 +23,12 @@ rows, optimizer state, counters), each a piece whose origin is
 `<table>@hashed<shard>.<array>`; restoring hands every shard's arrays to the table,
 which keeps the ids it owns (resharding by the id rule), and merging writes the
 table as `<table>.npz` of (ids, rows).
+
+A checkpoint is a base or a delta. A delta names its base (a checkpoint of the same
+pserver) and holds every dense variable whole but only the hashed-table rows updated
+since that base, with every live row's id and score (SparseTable.to_arrays(since)).
+Loading a delta loads its base and rebuilds the whole tables (apply_delta), so what
+latest() hands on is always whole; pruning keeps the bases of the deltas it keeps.
 """
 
 from __future__ import annotations
@@ -35,15 +41,16 @@ import os
 import re
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from fluidps.errors import CheckpointError, SerializationError
+from fluidps.errors import CheckpointError, ExecutionError, SerializationError
 from fluidps.io.atomic import TEMP_SUFFIX, fsync_dir, write_atomic
 from fluidps.io.tensor_file import TensorReader, lod_tensor_chunks
+from fluidps.ops.sparse_table import apply_delta, is_delta, newest_job_shards
 
 FORMAT = "fluidps-pserver-checkpoint"
 _NAME = re.compile(r"pserver-(\d+)-(\d+)\.json")
@@ -59,16 +66,10 @@ def hashed_tables(
     sources: Iterable[tuple[Checkpoint, Mapping[str, np.ndarray]]],
 ) -> dict[str, list[dict[str, np.ndarray]]]:
     """Each hashed table's shards (their to_arrays), in the order of `sources`."""
-    shards: dict[tuple[str, int, int], dict[str, np.ndarray]] = {}
-    for index, (checkpoint, values) in enumerate(sources):
-        for piece in checkpoint.pieces:
-            match = _HASHED.fullmatch(piece.origin)
-            if match:
-                key = (match["origin"], index, int(match["shard"]))
-                shards.setdefault(key, {})[match["key"]] = values[piece.name]
     tables: dict[str, list[dict[str, np.ndarray]]] = {}
-    for (origin, _, _), arrays in sorted(shards.items(), key=lambda kv: kv[0][1]):
-        tables.setdefault(origin, []).append(arrays)
+    for checkpoint, values in sources:
+        for (origin, _), arrays in sorted(_shards(checkpoint, values).items(), key=lambda kv: kv[0][1]):
+            tables.setdefault(origin, []).append(arrays)
     return tables
 
 
@@ -114,6 +115,11 @@ class Checkpoint:
     sha256: str
     reason: str
     created: float
+    base: int | None = None  # a delta: the count of its base checkpoint
+
+    @property
+    def kind(self) -> str:
+        return "base" if self.base is None else "delta"
 
     @property
     def data_path(self) -> Path:
@@ -171,17 +177,24 @@ class CheckpointStore:
         placements: Mapping[str, tuple],
         step: int,
         reason: str,
+        base: int | None = None,
     ) -> Checkpoint:
         """Write checkpoint count + 1 of `values` (name -> array), where `placements` says
         which original variable each one is (part of): name -> Placement or a tuple
         (origin, offset[, origin_rows]); a name not there is a whole variable of its own.
-        Older checkpoints of this pserver beyond `keep` are removed."""
+        `base`: the values hold deltas of hashed tables against this pserver's checkpoint
+        number `base`. Older checkpoints of this pserver beyond `keep` are removed, except
+        the bases of those kept."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"cannot create the checkpoint directory {self.directory}: {e}") from None
         mine = [c for c in scan(self.directory) if c.pserver_id == self.pserver_id]
         count = max((c.count for c in mine), default=0) + 1
+        if base is not None and not any(c.count == base and c.base is None for c in mine):
+            raise CheckpointError(
+                f"pserver {self.pserver_id} has no base checkpoint {base} in {self.directory} for a delta"
+            )
         stem = f"pserver-{self.pserver_id}-{count:06d}"
         pieces, chunks = [], []
         for name, value in values.items():
@@ -203,6 +216,7 @@ class CheckpointStore:
                 "step": step,
                 "reason": reason,
                 "created": time.time(),
+                "base": base,
                 "vars": [
                     {
                         "name": p.name,
@@ -230,8 +244,10 @@ class CheckpointStore:
     def _prune(self, newest: int) -> None:
         """Remove this pserver's checkpoints older than the last `keep`, and temporary
         files crashed writes left behind."""
-        for old in scan(self.directory):
-            if old.pserver_id == self.pserver_id and old.count <= newest - self.keep:
+        mine = [c for c in scan(self.directory) if c.pserver_id == self.pserver_id]
+        needed = {c.base for c in mine if c.count > newest - self.keep}
+        for old in mine:
+            if old.count <= newest - self.keep and old.count not in needed:
                 for path in (old.path, old.data_path):  # the manifest first: no half checkpoint is listed
                     path.unlink(missing_ok=True)
         prefix = f".pserver-{self.pserver_id}-"
@@ -276,11 +292,59 @@ def latest(
     for pserver_id, checkpoints in by_pserver.items():
         for c in reversed(checkpoints):
             try:
-                newest[pserver_id] = (c, c.load())
+                newest[pserver_id] = _load_whole(c, checkpoints)
                 break
             except CheckpointError as e:
                 problems.append(f"{e}; using an older one")
     return newest, problems
+
+
+def _load_whole(
+    checkpoint: Checkpoint, same_pserver: list[Checkpoint]
+) -> tuple[Checkpoint, dict[str, np.ndarray]]:
+    """A checkpoint's values, its hashed-table deltas applied to its base's whole arrays
+    (the checkpoint returned then lists whole pieces)."""
+    loaded = checkpoint.load()
+    if checkpoint.base is None:
+        return checkpoint, loaded
+    where = f"checkpoint {checkpoint.path.name} (a delta of checkpoint {checkpoint.base})"
+    base = next((c for c in same_pserver if c.count == checkpoint.base and c.base is None), None)
+    if base is None:
+        raise CheckpointError(f"{where}: its base checkpoint is missing")
+    try:
+        base_values = base.load()
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: its base is unusable: {e}") from None
+    base_shards = _shards(base, base_values)
+    pieces = [p for p in checkpoint.pieces if not _HASHED.fullmatch(p.origin)]
+    values = {p.name: loaded[p.name] for p in pieces}
+    for (origin, shard), arrays in _shards(checkpoint, loaded).items():
+        if not is_delta(arrays):
+            whole = arrays
+        elif (origin, shard) not in base_shards:
+            raise CheckpointError(f"{where}: its base holds no shard {shard} of hashed table {origin!r}")
+        else:
+            try:
+                whole = apply_delta(base_shards[origin, shard], arrays, origin)
+            except ExecutionError as e:
+                raise CheckpointError(f"{where}: {e}") from None
+        for key, array in whole.items():
+            name = hashed_piece(origin, shard, key)
+            pieces.append(Piece(name, name, None, array.dtype.str, tuple(array.shape)))
+            values[name] = array
+    return replace(checkpoint, pieces=tuple(pieces)), values
+
+
+def _shards(
+    checkpoint: Checkpoint, values: Mapping[str, np.ndarray]
+) -> dict[tuple[str, int], dict[str, np.ndarray]]:
+    """The hashed-table shards a checkpoint holds: {(table, shard): {key: array}}."""
+    shards: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    for piece in checkpoint.pieces:
+        match = _HASHED.fullmatch(piece.origin)
+        if match:
+            shards.setdefault((match["origin"], int(match["shard"])), {})[match["key"]] = values[piece.name]
+    return shards
 
 
 def assemble(
@@ -395,11 +459,18 @@ def _parse(path: Path) -> Checkpoint:
             str(data["sha256"]),
             str(body.get("reason", "")),
             float(body.get("created", 0.0)),
+            _base(body.get("base")),
         )
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from None
+
+
+def _base(value: Any) -> int | None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"bad base {value!r}")
+    return value
 
 
 def merge_checkpoints(
@@ -412,7 +483,7 @@ def merge_checkpoints(
     Raises CheckpointError when there is none, or rows of a variable are missing."""
     sources, problems = _newest(checkpoint_dir)
     try:
-        values = merge(sources)
+        values, hashed = merge(sources), _merge_hashed(sources)
     except CheckpointError as e:
         detail = f" (skipped: {'; '.join(problems)})" if problems else ""
         raise CheckpointError(f"{e}{detail}") from None
@@ -425,7 +496,7 @@ def merge_checkpoints(
                 lod_tensor_chunks(value, what=f"variable {name!r}"),
                 sync_dir=False,
             )
-        for name, (ids, rows) in _merge_hashed(sources).items():
+        for name, (ids, rows) in hashed.items():
             buffer = io.BytesIO()
             np.savez(buffer, ids=ids, rows=rows)
             write_atomic(str(out / _file_name(f"{name}.npz")), [buffer.getvalue()], sync_dir=False)
@@ -452,6 +523,10 @@ def _newest(
 def _merge_hashed(sources) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     merged = {}
     for origin, shards in hashed_tables(sources).items():
+        try:
+            shards = newest_job_shards(origin, shards)
+        except ExecutionError as e:
+            raise CheckpointError(str(e)) from None
         ids = np.concatenate([s["ids"] for s in shards])
         rows = np.concatenate([s["values"] for s in shards])
         ids, first = np.unique(ids, return_index=True)  # an id in two shards: the newest one's row
@@ -471,6 +546,8 @@ def describe(checkpoint: Checkpoint) -> dict[str, Any]:
         "count": checkpoint.count,
         "step": checkpoint.step,
         "reason": checkpoint.reason,
+        "kind": checkpoint.kind,
+        "base": checkpoint.base,
         "vars": len(checkpoint.pieces),
         "bytes": checkpoint.data_bytes,
         "file": checkpoint.data_file,

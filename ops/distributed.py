@@ -148,6 +148,8 @@ family.define(
         Int("checkpoint_every_steps", 0, lambda n: n >= 0, "checkpoint_every_steps must be >= 0"),
         Float("checkpoint_every_seconds", 0.0, lambda s: s >= 0, "checkpoint_every_seconds must be >= 0"),
         Int("checkpoint_keep", 3, lambda n: n >= 1, "checkpoint_keep must be >= 1"),
+        # Of every n scheduled checkpoints the first is a base, the others deltas of it.
+        Int("checkpoint_base_every", 1, lambda n: n >= 1, "checkpoint_base_every must be >= 1"),
         # What a checkpoint holds: each persistable variable here, the variable of the original
         # program it is (part of), and its first row there (-1: all of it).
         Strs("checkpoint_vars", []),

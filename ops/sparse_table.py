@@ -29,6 +29,7 @@ mix64(i) mod K equal to its shard number (`shard_of`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -123,11 +124,87 @@ def owners(ids: np.ndarray, shards: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TableSnapshot:
-    """A copy of what a table (shard) holds, taken at once: its to_arrays."""
+    """A copy of what a table (shard) holds, taken at once: its to_arrays, whole or as a
+    delta (see SparseTable.to_arrays), and the table's step count then."""
 
     name: str
     shard: int
     arrays: dict[str, np.ndarray]
+    clock: int = 0
+
+    @property
+    def is_delta(self) -> bool:
+        return is_delta(self.arrays)
+
+
+# A delta's own arrays: every live row's id and score (scores decay at each shrink, so
+# they change for rows the delta does not otherwise hold).
+DELTA_KEYS = ("live_ids", "live_score")
+
+
+def is_delta(arrays: Mapping[str, np.ndarray]) -> bool:
+    return "live_ids" in arrays
+
+
+def apply_delta(
+    base: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray], name: str
+) -> dict[str, np.ndarray]:
+    """The whole arrays of a table shard from its base arrays and a delta taken later
+    against that base: the delta's live rows, each from the delta where it changed and
+    from the base otherwise. Raises ExecutionError when they do not fit together."""
+    if is_delta(base) or not is_delta(delta):
+        raise ExecutionError(f"hashed table {name!r}: a delta applies to a base, not to another delta")
+    if (
+        base["state"].shape[1:] != delta["state"].shape[1:]
+        or base["values"].shape[1:] != delta["values"].shape[1:]
+    ):
+        raise ExecutionError(
+            f"hashed table {name!r}: the delta holds rows {list(delta['values'].shape[1:])} and state "
+            f"{list(delta['state'].shape[1:])}, its base {list(base['values'].shape[1:])} and "
+            f"{list(base['state'].shape[1:])}: they belong to different programs"
+        )
+    live = delta["live_ids"]
+    changed, in_base = _positions(delta["ids"], live), _positions(base["ids"], live)
+    lost = (changed < 0) & (in_base < 0)
+    if lost.any():
+        raise ExecutionError(
+            f"hashed table {name!r}: the delta keeps id {int(live[np.argmax(lost)])} unchanged, but its "
+            "base does not hold it: the delta was taken against another base"
+        )
+    out = {}
+    for key in ("values", "state", "updated"):
+        column = base[key][np.maximum(in_base, 0)]
+        column[changed >= 0] = delta[key][changed[changed >= 0]]
+        out[key] = column
+    out |= {"ids": live.copy(), "score": delta["live_score"].copy()}
+    out |= {k: v for k, v in delta.items() if k.startswith("pending_") or k in ("counters", "shards")}
+    return out
+
+
+def newest_job_shards(name: str, sources: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """Of `sources` (to_arrays of shards of table `name`, newest first), those saved by the
+    newest one's job (the same number of shards), checked to hold every shard of it."""
+    if not sources or "shards" not in sources[0]:
+        return sources
+    total = int(sources[0]["shards"][1])
+    mine = [src for src in sources if "shards" in src and int(src["shards"][1]) == total]
+    missing = sorted(set(range(total)) - {int(src["shards"][0]) for src in mine})
+    if missing:
+        raise ExecutionError(
+            f"hashed table {name!r} was last saved in {total} shards, but no intact checkpoint holds shard(s) "
+            f"{missing}: their pservers' checkpoints are missing or corrupt; restore them, or remove the "
+            "newer checkpoints to go back to an older complete set"
+        )
+    return mine
+
+
+def _positions(keys: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Where each of `queries` is in `keys` (unique ids), -1 where absent."""
+    if not len(keys):
+        return np.full(len(queries), -1, np.int64)
+    order = np.argsort(keys, kind="stable")
+    found = order[np.searchsorted(keys, queries, sorter=order).clip(max=len(keys) - 1)]
+    return np.where(keys[found] == queries, found, -1)
 
 
 class SparseTable:
@@ -327,31 +404,47 @@ class SparseTable:
         n = len(self.rows)
         return self.rows.ids[:n].copy(), self.rows.values[:n].copy()
 
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        """Everything the table holds, as arrays (a checkpoint's content)."""
+    def to_arrays(self, since: int | None = None) -> dict[str, np.ndarray]:
+        """Everything the table holds, as arrays (a checkpoint's content). With `since`
+        (the step count of an earlier whole save, its base), a delta: whole rows only for
+        those updated or created after it, and every live row's id and score
+        (apply_delta rebuilds the whole arrays from the base and the delta)."""
         n, p = len(self.rows), len(self.pending)
         rule = RULES.index(self.rule.name) if self.rule else -1
-        return {
-            "ids": self.rows.ids[:n].copy(),
-            "values": self.rows.values[:n].copy(),
-            "state": self.rows.state[:n].copy(),
-            "updated": self.rows.updated[:n].copy(),
+        rows = slice(0, n) if since is None else np.flatnonzero(self.rows.updated[:n] > since)
+        out = {
+            "ids": self.rows.ids[rows].copy(),
+            "values": self.rows.values[rows].copy(),
+            "state": self.rows.state[rows].copy(),
+            "updated": self.rows.updated[rows].copy(),
             "score": self.rows.score[:n].copy(),
             "pending_ids": self.pending.ids[:p].copy(),
             "pending_counts": self.pending.values[:p, 0].copy(),
             "pending_seen": self.pending.updated[:p].copy(),
             "counters": np.array([self.clock, rule, self.created, self.evicted, self.dropped], np.int64),
+            "shards": np.array([self.settings.shard, self.settings.shards], np.int64),
         }
+        if since is not None:
+            out |= {"live_ids": self.rows.ids[:n].copy(), "live_score": out.pop("score")}
+        return out
 
-    def snapshot(self) -> TableSnapshot:
-        return TableSnapshot(self.name, self.settings.shard, self.to_arrays())
+    def snapshot(self, since: int | None = None) -> TableSnapshot:
+        """to_arrays(since), with the table's step count (a later delta's `since`)."""
+        return TableSnapshot(self.name, self.settings.shard, self.to_arrays(since), self.clock)
 
     def restore(self, sources: list[dict[str, np.ndarray]]) -> None:
         """Replace what the table holds by the rows of `sources` (to_arrays of one or more
         shards, newest first) that belong to this shard: the rows move by the id rule when
-        the number of shards changed. An id held by several sources comes from the first.
-        The step count continues from the newest; created/evicted/dropped count anew."""
+        the number of shards changed. Only the shards of the newest source's job are used
+        (older ones would bring back evicted rows), and all of them must be there. An id
+        held by several sources comes from the first. The step count continues from the
+        newest; created/evicted/dropped count anew."""
         s = self.settings
+        if any(is_delta(src) for src in sources):
+            raise ExecutionError(
+                f"hashed table {self.name!r}: restore whole arrays (apply_delta to a delta first)"
+            )
+        sources = newest_job_shards(self.name, sources)
         rules = {int(src["counters"][1]) for src in sources} - {-1}
         if len(rules) > 1:
             raise ExecutionError(

@@ -32,7 +32,9 @@ class DistributeTranspilerConfig:
       start ("" none; FLUIDPS_CHECKPOINT_DIR overrides it, as `fluidps launch --dataset`
       sets); checkpoint_every_steps / checkpoint_every_seconds: how often (0: never by
       that measure; they also save at the end, on SIGTERM and when asked);
-      checkpoint_keep: how many each pserver keeps.
+      checkpoint_keep: how many each pserver keeps; checkpoint_base_every: of every n
+      checkpoints, the first is a base and the others are deltas of it, in which hashed
+      tables hold only the rows updated since the base (1: every one is a base).
     distributed_table_min_rows: sparse embedding tables (is_sparse lookups) of at least
       this many rows become distributed tables, as if marked is_distributed: they stay
       on the pservers and trainers prefetch only the rows of their batch (0: only tables
@@ -51,6 +53,7 @@ class DistributeTranspilerConfig:
     checkpoint_every_steps: int = 0
     checkpoint_every_seconds: float = 0.0
     checkpoint_keep: int = 3
+    checkpoint_base_every: int = 1
     distributed_table_min_rows: int = 0
 
     def __post_init__(self) -> None:
@@ -74,6 +77,10 @@ class DistributeTranspilerConfig:
             raise BuilderError(
                 "checkpoint_every_steps and checkpoint_every_seconds must be >= 0 and checkpoint_keep >= 1, got "
                 f"{self.checkpoint_every_steps}, {self.checkpoint_every_seconds}, {self.checkpoint_keep}"
+            )
+        if self.checkpoint_base_every < 1:
+            raise BuilderError(
+                f"checkpoint_base_every must be >= 1 (1: every checkpoint is a base), got {self.checkpoint_base_every}"
             )
         if self.distributed_table_min_rows < 0:
             raise BuilderError(

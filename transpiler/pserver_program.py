@@ -216,6 +216,7 @@ def build_pserver_programs(
         "checkpoint_every_steps": config.checkpoint_every_steps,
         "checkpoint_every_seconds": float(config.checkpoint_every_seconds),
         "checkpoint_keep": config.checkpoint_keep,
+        "checkpoint_base_every": config.checkpoint_base_every,
         "checkpoint_vars": list(b.origins),
         "checkpoint_origins": [origin for origin, _ in b.origins.values()],
         "checkpoint_offsets": [s.offset if s is not None else -1 for _, s in b.origins.values()],

@@ -8,5 +8,6 @@ SSP), which trainers a pserver waits for (membership.py), pserver checkpoints
 The runtime (fluidps.executor.runtime) hands these to the kernels; pserver blocks
 are built through a callback, so nothing here imports the executor.
 
-May import: fluidps.errors, fluidps.ir, fluidps.ops, fluidps.io.checkpoints, fluidps.executor.transport
+May import: fluidps.errors, fluidps.ir, fluidps.ops, fluidps.io.checkpoints, fluidps.executor.transport,
+fluidps.executor.resources
 """

@@ -3,6 +3,11 @@ job's CheckpointOverrides replace), what they hold, and restoring them.
 
 The pserver hands in its values (copied under their locks) and its step count; the
 files, checksums and resharding are fluidps.io.checkpoints'.
+
+With checkpoint_base_every n > 1, of every n scheduled checkpoints the first is a base
+and the others are deltas of it: hashed tables save only the rows updated since the
+base (dense variables are whole in every checkpoint). The first checkpoint of a run,
+and the first after a restore, is a base.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class CheckpointOverrides:
     every_steps: int | None = None
     every_seconds: float | None = None
     keep: int | None = None
+    base_every: int | None = None
 
 
 class Checkpointer:
@@ -40,10 +46,11 @@ class Checkpointer:
         self.every_steps = int(setting(overrides.every_steps, "checkpoint_every_steps"))
         self.every_seconds = float(setting(overrides.every_seconds, "checkpoint_every_seconds"))
         keep = int(setting(overrides.keep, "checkpoint_keep"))
-        if self.every_steps < 0 or self.every_seconds < 0 or keep < 1:
+        self.base_every = int(setting(overrides.base_every, "checkpoint_base_every"))
+        if self.every_steps < 0 or self.every_seconds < 0 or keep < 1 or self.base_every < 1:
             raise CheckpointError(
-                f"checkpoint every {self.every_steps} steps / {self.every_seconds} s, keeping {keep}: "
-                "intervals must be >= 0 and keep >= 1"
+                f"checkpoint every {self.every_steps} steps / {self.every_seconds} s, keeping {keep}, a base "
+                f"every {self.base_every}: intervals must be >= 0, keep and base_every >= 1"
             )
         # Which rows of which variable of the original program each persistable here is.
         names, origins = op.attr("checkpoint_vars"), op.attr("checkpoint_origins")
@@ -59,6 +66,9 @@ class Checkpointer:
         self.saved: list[dict[str, Any]] = []  # this run's checkpoints, for stats
         self.restored_step: int | None = None
         self._last = (0, time.monotonic())  # (step, when) of the last checkpoint
+        # This run's last base: its count and each hashed table's step count then.
+        self._base: tuple[int, dict[str, int]] | None = None
+        self._deltas = 0  # checkpoints since that base
 
     @property
     def enabled(self) -> bool:
@@ -77,6 +87,14 @@ class Checkpointer:
 
     def changed_since_last(self, steps: int) -> bool:
         return steps > self._last[0]
+
+    def delta_since(self, delta: bool | None = None) -> dict[str, int] | None:
+        """Whether the next checkpoint is a delta (None: as checkpoint_base_every says):
+        the step count of each hashed table at the base it is a delta of, or None for a
+        base (always, before this run has saved one)."""
+        if delta is None:
+            delta = self._deltas < self.base_every - 1
+        return self._base[1] if delta and self._base is not None else None
 
     def _expand_hashed(self, values: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Hashed tables' snapshots as their arrays, each a piece of its own (io.checkpoints)."""
@@ -98,13 +116,20 @@ class Checkpointer:
                 "or FLUIDPS_CHECKPOINT_DIR"
             )
         started = time.monotonic()
+        tables = {n: v for n, v in values.items() if isinstance(v, TableSnapshot)}
+        delta = self._base is not None and any(t.is_delta for t in tables.values())
         values, placements = self._expand_hashed(values)
-        saved = self.store.save(values, placements, steps, reason)
+        saved = self.store.save(values, placements, steps, reason, base=self._base[0] if delta else None)
+        if delta:
+            self._deltas += 1
+        else:
+            self._base, self._deltas = (saved.count, {n: t.clock for n, t in tables.items()}), 0
         self._last = (steps, time.monotonic())
         self.saved.append(ckpt.describe(saved))
         self.log(
-            f"checkpoint {saved.count} ({reason}, step {saved.step}, {saved.data_bytes:,} bytes) written to "
-            f"{saved.data_path} in {1e3 * (time.monotonic() - started):.0f} ms"
+            f"checkpoint {saved.count} ({reason}, step {saved.step}, {saved.data_bytes:,} bytes"
+            f"{'' if saved.base is None else f', a delta of #{saved.base}'}) written to {saved.data_path} in "
+            f"{1e3 * (time.monotonic() - started):.0f} ms"
         )
         return saved
 
@@ -142,6 +167,7 @@ class Checkpointer:
         own = found.get(pserver_id)
         step = own[0].step if own is not None else max(c.step for c, _ in found.values())
         self._last = (step, time.monotonic())
+        self._base, self._deltas = None, 0  # the next checkpoint is a base of what was restored
         self.restored_step = step
         used = ", ".join(f"pserver {c.pserver_id} #{c.count} (step {c.step})" for c, _ in sources)
         self.log(

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fluidps.errors import Error, ExecutionError, TransportError
+from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
 from fluidps.executor.ps.checkpointer import Checkpointer
 from fluidps.executor.ps.membership import DONE, Membership
 from fluidps.executor.ps.strategies import STRATEGIES
+from fluidps.executor.resources import resident_bytes
 from fluidps.executor.transport.rpc import Request, RpcServer
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
@@ -59,17 +60,6 @@ ROWS_LIMIT = 1 << 22  # sparse row ids per gradient (its counts go on past it)
 # only while they are few; a message's text must stay far below the wire's limit.
 WIRE_CLOCK_EVENTS = 1000
 WIRE_UNIQUE_ROWS = 50_000
-
-
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux /proc), else its peak (getrusage)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class RowLog:
@@ -444,17 +434,25 @@ class ParameterServer:
         if self.checkpoints.due(self.strategy.steps):
             self._checkpoint("periodic")
 
-    def _checkpoint(self, reason: str) -> ckpt.Checkpoint:
+    def _checkpoint(self, reason: str, delta: bool | None = None) -> ckpt.Checkpoint:
+        """Save a checkpoint; `delta`: of hashed tables' changes since the last base (None:
+        as the checkpoint schedule says)."""
+        since = self.checkpoints.delta_since(delta) or {}
         values = {}
         for name in self.checkpoints.placements:
             with self.locked(name):
                 value = self.env[name]
                 values[name] = (
-                    value.snapshot() if isinstance(value, SparseTable) else np.array(value, copy=True)
+                    value.snapshot(since.get(name))
+                    if isinstance(value, SparseTable)
+                    else np.array(value, copy=True)
                 )
         return self.checkpoints.save(values, self.strategy.steps, reason)
 
     def _on_checkpoint(self, request: Request) -> None:
-        saved = self._checkpoint("requested")
+        kinds = {"": None, "base": False, "delta": True}
+        if request.msg.text not in kinds:
+            raise CheckpointError(f"a checkpoint is a 'base' or a 'delta', not {request.msg.text!r}")
+        saved = self._checkpoint("requested", kinds[request.msg.text])
         text = json.dumps(ckpt.describe(saved) | {"path": str(saved.path)})
         self.server.reply(request, Message(Kind.VALUES, text=text))

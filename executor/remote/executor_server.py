@@ -20,6 +20,7 @@ import zmq
 
 from fluidps.errors import EOFException, Error, NoDataYet
 from fluidps.executor.executor import Executor
+from fluidps.executor.resources import resident_bytes
 from fluidps.executor.runtime import RuntimeConfig
 from fluidps.executor.transport.rpc import Request, RpcServer
 from fluidps.executor.transport.wire import Kind, Message, json_fields
@@ -181,7 +182,12 @@ class ExecutorServer:
             background = f"failed: {self._background_error}"
         runtime = self.exe.runtime if self.exe.has_runtime else None
         servers = [s.stats(compact=True) for s in runtime.pserver_loops] if runtime is not None else []
-        return {"background": background, "programs": sorted(self.programs), "pservers": servers}
+        return {
+            "background": background,
+            "programs": sorted(self.programs),
+            "pservers": servers,
+            "rss_bytes": resident_bytes(),
+        }
 
     # -- runs on a worker thread ---------------------------------------------------------------
 

@@ -376,15 +376,30 @@ class RemoteExecutor:
             return {}
         return _ask_all(d.pservers, Kind.STATS)
 
-    def checkpoint(self) -> dict[str, str]:
+    def trainer_stats(self) -> list[dict[str, Any]]:
+        """Each trainer's state, by trainer id: the programs it holds, its background
+        run, and its process's resident memory (rss_bytes)."""
+        d = self._deployment
+        if d is None:
+            return []
+        replies = wait_all({i: (c, c.request(Message(Kind.STATUS))) for i, c in enumerate(d.trainers)})
+        return [json.loads(replies[i].text) for i in range(len(d.trainers))]
+
+    def checkpoint(self, kind: str | None = None) -> dict[str, str]:
         """Every pserver saves a checkpoint now (into the job's checkpoint_dir, set in
-        its DistributeTranspilerConfig); {pserver endpoint: its checkpoint manifest}."""
+        its DistributeTranspilerConfig); {pserver endpoint: its checkpoint manifest}.
+        `kind`: "base", or "delta" (hashed tables save only the rows updated since the
+        pserver's last base; a base when it has none yet); None: as the job's
+        checkpoint_base_every says."""
         d = self._deployment
         if d is None:
             raise ExecutionError(
                 "the job has not started: run the training program once before checkpointing"
             )
-        return {ep: saved["path"] for ep, saved in _ask_all(d.pservers, Kind.CHECKPOINT).items()}
+        if kind not in (None, "base", "delta"):
+            raise ExecutionError(f"checkpoint kind must be 'base', 'delta' or None, got {kind!r}")
+        replies = _ask_all(d.pservers, Kind.CHECKPOINT, text=kind or "")
+        return {ep: saved["path"] for ep, saved in replies.items()}
 
     # -- ending ----------------------------------------------------------------------------
 
@@ -408,9 +423,9 @@ class RemoteExecutor:
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _ask_all(pservers: Mapping[str, RpcClient], kind: int) -> dict[str, Any]:
+def _ask_all(pservers: Mapping[str, RpcClient], kind: int, text: str = "") -> dict[str, Any]:
     """Every pserver's JSON answer to a `kind` request (STATS, CHECKPOINT), asked at once."""
-    replies = wait_all({ep: (c, c.request(Message(kind))) for ep, c in pservers.items()})
+    replies = wait_all({ep: (c, c.request(Message(kind, text=text))) for ep, c in pservers.items()})
     return {ep: json.loads(r.text) for ep, r in replies.items()}
 
 

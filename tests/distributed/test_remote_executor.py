@@ -363,3 +363,53 @@ def test_a_distributed_table_job_matches_local_training_and_resumes_on_other_pse
         final = np.array(exe.scope[table], copy=True)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     np.testing.assert_allclose(final, local.scope[table], rtol=2e-5, atol=1e-6)
+
+
+def test_on_demand_base_and_delta_checkpoints_of_a_hashed_table_resume_the_job(tmp_path):
+    """exe.checkpoint("base"), more steps, exe.checkpoint("delta"): the delta holds only the
+    rows those steps touched, and a new job on two pservers resumes from base + delta
+    exactly where local training is."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 5
+    with fluidps.program_guard(main, startup):
+        ids = layers.data("ids", [3, 1], dtype="int64")
+        label = layers.data("label", [1], dtype="int64")
+        emb = layers.reshape(layers.sparse_embedding(ids, [-1, 4]), [-1, 12])
+        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(emb, 2), label))
+        optimizer.Adagrad(0.1).minimize(loss)
+    rng = np.random.default_rng(3)
+    vocabulary = rng.integers(0, 2**40, 400)
+    batches = [
+        {
+            "ids": vocabulary[rng.integers(0, 400 if i < 4 else 20, (16, 3, 1))],
+            "label": rng.integers(0, 2, (16, 1)),
+        }
+        for i in range(8)
+    ]  # the last steps touch 20 of the 400 ids
+    config = fluidps.DistributeTranspilerConfig(checkpoint_dir=str(tmp_path / "ckpt"))
+    local = fluidps.Executor()
+    local.run(startup)
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=1, trainers=1, config=config)) as exe:
+        exe.run(startup)
+        for p in main.all_parameters():  # the table: rows start from values of (seed, id)
+            if p.name != "sparse_embedding_0.w_0":
+                local.scope[p.name] = np.array(exe.scope[p.name], copy=True)
+        for b in batches[:4]:
+            exe.run(main, feed=b, fetch_list=[loss])
+        (base,) = exe.checkpoint("base").values()
+        for b in batches[4:6]:
+            exe.run(main, feed=b, fetch_list=[loss])
+        (delta,) = exe.checkpoint("delta").values()
+        with pytest.raises(fluidps.ExecutionError, match="'base', 'delta' or None"):
+            exe.checkpoint("full")
+    base_manifest, delta_manifest = json.loads(Path(base).read_text()), json.loads(Path(delta).read_text())
+    assert (base_manifest["base"], delta_manifest["base"]) == (None, base_manifest["count"])
+    held = {
+        v["origin"].rsplit(".", 1)[1]: v["shape"] for v in delta_manifest["vars"] if "@hashed" in v["origin"]
+    }
+    assert held["ids"][0] <= 20 < held["live_ids"][0]  # only the rows of the last two steps, whole
+    expected = [float(local.run(main, feed=b, fetch_list=[loss])[0]) for b in batches]
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=2, trainers=1, config=config)) as exe:
+        exe.run(startup)  # overwritten by what the pservers restore
+        got = [float(exe.run(main, feed=b, fetch_list=[loss])[0]) for b in batches[6:]]
+    assert got == expected[6:]

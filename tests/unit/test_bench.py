@@ -47,22 +47,27 @@ def assert_sparse_rows(rows: list[dict], table_rows: int, n_rows: int, width: in
         "sgd_sparse_rows",
         "adam_lazy_sparse_rows",
         "hashed_adam_lookup_update",
+        "hashed_checkpoint_delta",
     ]
     for r in rows[:2]:
         assert set(r) == SPARSE_KEYS
         for key in SPARSE_TIMES:
             assert isinstance(r[key], float) and r[key] > 0, (r["workload"], key, r[key])
     assert set(rows[2]) == {"workload", "table_rows", "rows", "width", "fluidps_ms", "rows_per_s"}
-    for r in rows:
+    for r in rows[:3]:
         assert (r["table_rows"], r["rows"], r["width"]) == (table_rows, n_rows, width)
         assert r["rows_per_s"] > 0 and r["fluidps_ms"] > 0
+    checkpoint = rows[3]
+    assert (checkpoint["table_rows"], checkpoint["width"]) == (table_rows, width)
+    assert 0 < checkpoint["rows_updated"] <= min(5 * n_rows, table_rows)
+    assert checkpoint["delta_bytes"] > 0 and checkpoint["base_bytes"] > 0
 
 
 def test_sparse_update_bench_prints_one_row_per_workload():
     args = ["--table-rows", "300", "--rows", "40", "--width", "4", "--repeats", "2", "--hashed-ids", "5000"]
     rows = bench("sparse_update", *args)
-    assert_sparse_rows(rows[:3], 300, 40, 4)
-    (memory,) = rows[3:]
+    assert_sparse_rows(rows[:4], 300, 40, 4)
+    (memory,) = rows[4:]
     assert memory["workload"] == "hashed_table_memory" and memory["ids"] >= 5000
     assert memory["table_bytes"] > memory["ideal_bytes"] == memory["ids"] * (4 + 10) * 4
 
@@ -82,6 +87,7 @@ def test_local_bench_rows(with_torch):
         "sgd_sparse_rows",
         "adam_lazy_sparse_rows",
         "hashed_adam_lookup_update",
+        "hashed_checkpoint_delta",
     ]
     training, sparse = rows[:4], rows[4:]
     peer_keys = {"torch", "fluidps_vs_torch"} if with_torch else set()
@@ -149,9 +155,16 @@ def test_distributed_bench_runs_the_ctr_model_with_a_distributed_table():
 
 def test_distributed_bench_runs_the_ctr_model_over_a_hashed_table():
     args = ["--quick", "--models", "ctr_hashed", "--topologies", "1x1", "--modes", "sync"]
-    rows = bench("distributed", *args, "--no-torch", "--bandwidth-mib", "1")
+    rows = bench("distributed", *args, "--no-torch", "--bandwidth-mib", "1", "--hashed-ids", "3000")
     training = [r for r in rows if r.get("bench") == "ctr_hashed"]
     assert [r["mode"] for r in training] == ["local", "sync"]
     for r in training:
         assert r["table"] == "hashed x8" and r["samples_per_s"] > 0 and r["loss"] > 0
-    assert "stats_error" not in training[1] and training[1]["vs_local"] > 0
+    job = training[1]
+    assert "stats_error" not in job and job["vs_local"] > 0
+    assert len(job["trainer_rss_mib"]) == len(job["pserver_rss_mib"]) == 1
+    (memory,) = [r for r in rows if r.get("bench") == "hashed_job_memory"]
+    assert memory["ids_fed"] >= 3000 and memory["rows"] == memory["ids_fed"]  # 62-bit ids: all distinct
+    assert memory["ideal_mib"] == round(memory["rows"] * 50 * 4 / 2**20, 1)
+    assert len(memory["pserver_rss_mib"]) == len(memory["pserver_table_mib"]) == 2
+    assert memory["table_over_ideal"] >= 1 and memory["trainer_rss_mib"] > 0
