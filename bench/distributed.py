@@ -31,6 +31,12 @@ hashed table (width 16, Adam) is fed N distinct ids, 65,536 a step: each pserver
 bytes and RSS against the ideal N x (16 + 34 state values) x 4 bytes, and the trainer's
 RSS after its first step and at the end (it holds no rows, whatever N is).
 
+Profile (with --profile): each job row gains `profile`, every process's milliseconds per
+step by category (fluidps.profiling), from after the first step: the client's whole
+step; each trainer's compute and communication ops, serialize and deserialize; each
+pserver's request handling, optimize blocks, serialize and deserialize. Profiling adds
+a clock read around every op.
+
 Bandwidth (MiB/s of a 16 MiB float32 parameter, 4M elements, median of `repeats`):
 - fluidps pull: exe.scope[name] (a GET to the one pserver of a 1x1 job)
 - fluidps push: exe.scope[name] = value (a SET to the pserver, and to the trainer,
@@ -69,6 +75,7 @@ import fluidps  # noqa: E402
 from bench.local import load_torch, timed, torch_classifier, torch_ctr  # noqa: E402
 from bench.sparse_update import median_ms  # noqa: E402
 from fluidps import layers, optimizer  # noqa: E402
+from fluidps.profiling import per_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import ctr_embedding  # noqa: E402
@@ -174,11 +181,12 @@ def run_local(w: Workload, repeats: int, warmup: int) -> tuple[float, float]:
 
 
 def run_job(
-    w: Workload, trainers: int, pservers: int, mode: str, repeats: int, warmup: int
+    w: Workload, trainers: int, pservers: int, mode: str, repeats: int, warmup: int, profile: bool = False
 ) -> tuple[float, dict]:
-    """(samples/s, row fields) of a RemoteExecutor job on the workload."""
+    """(samples/s, row fields) of a RemoteExecutor job on the workload; with `profile`,
+    the fields hold each process's breakdown per step, from after the first step."""
     main, startup, loss = w.build()
-    job = fluidps.JobDesc(pservers=pservers, trainers=trainers, mode=mode)
+    job = fluidps.JobDesc(pservers=pservers, trainers=trainers, mode=mode, profile=profile)
     start = time.perf_counter()
     last = []
 
@@ -189,7 +197,10 @@ def run_job(
         exe.run(startup)
         step(0)  # deploys the job
         setup_s = time.perf_counter() - start
+        profiled = exe.profile() if profile else None
         rate = timed(step, w.steps, repeats, warmup)
+        if profile:
+            profiled = breakdown(profiled, exe.profile())
         steps_run = 1 + warmup + w.steps * repeats
         stats_start = time.perf_counter()
         try:
@@ -207,6 +218,8 @@ def run_job(
         "stats_ms": round(stats_ms, 1),  # exe.pserver_stats() at the end
         "trainer_rss_mib": [mib(b) for b in trainers_rss],
     }
+    if profiled is not None:
+        fields["profile"] = profiled
     if stats is not None:
         fields["pserver_rss_mib"] = [mib(s["rss_bytes"]) for s in stats.values()]
     if stats_error is not None:
@@ -220,7 +233,21 @@ def run_job(
     return rate * batch, fields
 
 
-def bench_training(w: Workload, torch, repeats: int, warmup: int, topologies, modes) -> None:
+def breakdown(before: dict, after: dict) -> dict:
+    """Each process's ms per step between two exe.profile() reports."""
+    out = {"client": per_step(before["client"], after["client"])["ms_per_step"]}
+    for i, (b, a) in enumerate(zip(before["trainers"], after["trainers"], strict=True)):
+        out[f"trainer {i}"] = per_step(b, a)["ms_per_step"]
+    for k, endpoint in enumerate(after["pservers"]):
+        out[f"pserver {k}"] = per_step(before["pservers"][endpoint], after["pservers"][endpoint])[
+            "ms_per_step"
+        ]
+    return out
+
+
+def bench_training(
+    w: Workload, torch, repeats: int, warmup: int, topologies, modes, profile: bool = False
+) -> None:
     local, local_loss = run_local(w, repeats, warmup)
     print(
         json.dumps(
@@ -245,7 +272,7 @@ def bench_training(w: Workload, torch, repeats: int, warmup: int, topologies, mo
         print(json.dumps(row), flush=True)
     for trainers, pservers in topologies:
         for mode in modes:
-            rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup)
+            rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup, profile)
             row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
             row["vs_local"] = round(rate / local, 3)
             print(json.dumps(row), flush=True)
@@ -475,6 +502,11 @@ def main(argv: list[str] | None = None) -> None:
         "--hashed-ids", type=int, default=0, help="also feed a hashed table's job this many ids"
     )
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="jobs record where each process's time goes (a `profile` field)",
+    )
     args = parser.parse_args(argv)
     repeats, warmup, scale = args.repeats, 5, args.scale
     if args.quick:
@@ -497,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models.split(","):
         if name == "digits_mlp":
             w = digits_workload(args.digits_batch, max(int(150 * scale), 3))
-            bench_training(w, torch, repeats, warmup, topologies, modes)
+            bench_training(w, torch, repeats, warmup, topologies, modes, args.profile)
         elif name == "ctr_hashed":
             bench_training(
                 ctr_hashed_workload(args.ctr_batch, max(int(40 * scale), 3)),
@@ -506,11 +538,12 @@ def main(argv: list[str] | None = None) -> None:
                 warmup,
                 topologies,
                 modes,
+                args.profile,
             )
         elif name in ("ctr_embedding", "ctr_distributed"):
             for vocab in (int(v) for v in args.ctr_vocab.split(",")):
                 w = ctr_workload(args.ctr_batch, max(int(40 * scale), 3), vocab, name == "ctr_distributed")
-                bench_training(w, torch, repeats, warmup, topologies, modes)
+                bench_training(w, torch, repeats, warmup, topologies, modes, args.profile)
         else:
             raise SystemExit(f"unknown model {name!r}")
     if args.hashed_ids:

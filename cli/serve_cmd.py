@@ -61,6 +61,9 @@ def _config(keys: str | None, insecure: bool, peer_timeout: float | None) -> Run
 )
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback address without encryption.")
 @click.option(
+    "--profile", is_flag=True, help="Record where this process's time goes (reported in its stats)."
+)
+@click.option(
     "--peer-timeout", type=click.FloatRange(min=0.1), help="Seconds of silence that mean a peer is dead."
 )
 @click.option(
@@ -101,6 +104,7 @@ def serve(
     task_timeout: float,
     max_task_failures: int,
     parent_pid: int | None,
+    profile: bool,
 ) -> None:
     """Serve programs until told to stop (SIGTERM or a client's SHUTDOWN).
 
@@ -114,6 +118,8 @@ def serve(
     """
     try:
         config = _config(keys, insecure, peer_timeout)
+        if profile:
+            config = replace(config, profile=True)
         if role == "pserver":
             _serve_pserver(program_file, startup_file, config)
             return

@@ -16,7 +16,7 @@ tests/unit/test_layering.py holds the code to it:
               the environment contract, progress
 
 May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops, fluidps.transpiler.config,
-fluidps.executor.transport, fluidps.executor.ps, fluidps.executor.tasks
+fluidps.executor.transport, fluidps.executor.ps, fluidps.executor.tasks, fluidps.profiling
 """
 
 from fluidps.executor.executor import Executor, PreparedProgram

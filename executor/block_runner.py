@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from fluidps.ops import REGISTRY
 from fluidps.ops.kernel import Runner
 from fluidps.ops.runtime_api import KernelRuntime
 from fluidps.ops.selected_rows import SelectedRows
+from fluidps.profiling import COMMUNICATION_OPS, UNTIMED_OPS
 
 
 def describe(value: Any) -> str:
@@ -27,10 +29,17 @@ def describe(value: Any) -> str:
 
 class BlockRunner:
     """The kernels of a block's ops, ready to run against an environment. Ops that take
-    part in a job (send, listen_and_serv, read, ...) need the process's `runtime`."""
+    part in a job (send, listen_and_serv, read, ...) need the process's `runtime`. In a
+    profiled process each op's time goes to its runtime's profile: communication ops'
+    under their type, the others' under `compute`."""
 
-    def __init__(self, block: Block, runtime: KernelRuntime | None = None):
+    def __init__(self, block: Block, runtime: KernelRuntime | None = None, compute: str = "compute"):
         self.block = block
+        self._profile = getattr(runtime, "profile", None)
+        self._categories = [
+            None if op.type in UNTIMED_OPS else op.type if op.type in COMMUNICATION_OPS else compute
+            for op in block.ops
+        ]
         self.runners: list[Runner] = []
         for i, op in enumerate(block.ops):
             try:
@@ -46,10 +55,17 @@ class BlockRunner:
         }
 
     def run(self, env: Any) -> None:
-        index = 0
+        index, profile, clock = 0, self._profile, time.perf_counter
         try:
-            for index, runner in enumerate(self.runners):  # noqa: B007 (index names the failing op)
-                runner(env)
+            for index, runner in enumerate(self.runners):
+                if profile is None or self._categories[index] is None:
+                    runner(env)
+                    continue
+                start = clock()
+                try:
+                    runner(env)
+                finally:
+                    profile.add(self._categories[index], clock() - start)
         except (EOFException, NoDataYet):
             raise  # not failures: a reader's end of data, which training loops catch
         except Exception as e:

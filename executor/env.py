@@ -22,6 +22,7 @@ given no RuntimeConfig reads them when a program first needs its runtime):
   FLUIDPS_MAX_MESSAGE_BYTES     the largest message accepted
   FLUIDPS_KEYS, FLUIDPS_INSECURE  CURVE keys (fluidps keys gen); serve non-loopback in the clear
   FLUIDPS_ELASTIC               1: trainers are disposable (pservers evict and readmit them)
+  FLUIDPS_PROFILE               1: record where the process's time goes (fluidps.profiling)
   FLUIDPS_CHECKPOINT_DIR, FLUIDPS_CHECKPOINT_EVERY_STEPS, FLUIDPS_CHECKPOINT_EVERY_SECONDS,
   FLUIDPS_CHECKPOINT_KEEP, FLUIDPS_CHECKPOINT_BASE_EVERY
                                 every pserver's checkpoints, instead of its program's settings
@@ -187,6 +188,7 @@ def runtime_config_from_env(environ: Mapping[str, str] | None = None) -> Runtime
         rpc=rpc_settings_from_env(env),
         coordinator=env.get("FLUIDPS_COORDINATOR", "").strip() or None,
         checkpoints=checkpoint_overrides_from_env(env),
+        profile=env.get("FLUIDPS_PROFILE", "").strip() == "1",
     )
 
 

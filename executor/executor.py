@@ -145,6 +145,8 @@ class PreparedProgram:
         env: dict[str, Any] = {}
         if self.counts_steps and self.runtime is not None:
             self.runtime.trainer.begin_step()
+            if self.runtime.profile is not None:
+                self.runtime.profile.step()
         for name in self.scope_reads:
             value = scope.find(name)
             if value is None:

@@ -29,6 +29,7 @@ from fluidps.executor.block_runner import BlockRunner
 from fluidps.executor.ps.checkpointer import CheckpointOverrides
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.ir.program import Block
+from fluidps.profiling import Profile
 
 if TYPE_CHECKING:
     import zmq
@@ -45,6 +46,8 @@ class RuntimeConfig:
     `rpc`: timeouts, message limits, keys, elasticity. `coordinator`: the address of
     the job's coordinator, where readers get their tasks (None: from a queue in this
     process). `checkpoints`: what the job sets for every pserver's checkpoints.
+    `profile`: keep a fluidps.profiling.Profile of where this process's time goes (the
+    runtime's `profile`; trainers and pservers report it in their stats).
     `context`: a zmq.Context to share with the other participants in this process
     (needed for inproc:// endpoints; None: the runtime makes and closes its own).
     `fluidps.executor.env.runtime_config_from_env` reads one from the
@@ -55,6 +58,7 @@ class RuntimeConfig:
     coordinator: str | None = None
     checkpoints: CheckpointOverrides = field(default_factory=CheckpointOverrides)
     context: Any = None
+    profile: bool = False
 
 
 class Runtime:
@@ -62,6 +66,7 @@ class Runtime:
         self.config = config
         # This participant's incarnation: pservers tell a restarted trainer from its old self by it.
         self.sender = secrets.randbits(63) | 1
+        self.profile = Profile() if config.profile else None
         self._context: zmq.Context | None = None
         self._trainer: TrainerClient | None = None
         self._pserver: PserverHost | None = None
@@ -78,7 +83,7 @@ class Runtime:
         if self._trainer is None:
             from fluidps.executor.ps.trainer_client import TrainerClient  # loads ZeroMQ
 
-            self._trainer = TrainerClient(self.settings, self.sender, self.context_for)
+            self._trainer = TrainerClient(self.settings, self.sender, self.context_for, self.profile)
         return self._trainer
 
     @property
@@ -87,7 +92,7 @@ class Runtime:
             from fluidps.executor.ps.host import PserverHost  # loads ZeroMQ
 
             self._pserver = PserverHost(
-                self.settings, self.config.checkpoints, self.context_for, self._runner_for
+                self.settings, self.config.checkpoints, self.context_for, self._runner_for, self.profile
             )
         return self._pserver
 
@@ -126,7 +131,7 @@ class Runtime:
         return self._context
 
     def _runner_for(self, block: Block) -> BlockRunner:
-        return BlockRunner(block, self)
+        return BlockRunner(block, self, compute="optimize")  # a pserver's optimize blocks
 
     def _pause_trainer(self) -> None:
         if self._trainer is not None:  # a reader without pservers has nobody to tell

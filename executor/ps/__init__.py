@@ -9,5 +9,5 @@ The runtime (fluidps.executor.runtime) hands these to the kernels; pserver block
 are built through a callback, so nothing here imports the executor.
 
 May import: fluidps.errors, fluidps.ir, fluidps.ops, fluidps.io.checkpoints, fluidps.executor.transport,
-fluidps.executor.resources
+fluidps.executor.resources, fluidps.profiling
 """

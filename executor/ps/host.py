@@ -21,6 +21,7 @@ from fluidps.executor.ps.parameter_server import ParameterServer
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.ir.operator import Operator
 from fluidps.ir.program import Block
+from fluidps.profiling import Profile
 
 if TYPE_CHECKING:
     from fluidps.executor.block_runner import BlockRunner
@@ -60,8 +61,10 @@ class PserverHost:
         checkpoints: CheckpointOverrides,
         context_for: Callable[[str], zmq.Context],
         runner_for: Callable[[Block], BlockRunner],
+        profile: Profile | None = None,
     ):
         self.settings = settings
+        self.profile = profile  # this process's, when it is profiled
         self.checkpoints = checkpoints
         self.context_for = context_for  # the ZeroMQ context to serve an endpoint on
         self.runner_for = runner_for  # a pserver's sub-blocks, built with this process's runtime

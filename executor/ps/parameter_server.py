@@ -141,7 +141,9 @@ class ParameterServer:
     # -- the loop -------------------------------------------------------------------------
 
     def serve(self) -> None:
-        self.server = RpcServer(self.host.context_for(self.endpoint), self.endpoint, self.name, self.settings)
+        self.server = RpcServer(
+            self.host.context_for(self.endpoint), self.endpoint, self.name, self.settings, self.host.profile
+        )
         previous_handler = self._catch_sigterm()
         try:
             restored = self.checkpoints.restore(self.env, self.pserver_id)
@@ -222,6 +224,8 @@ class ParameterServer:
         }
         if rows is not None:
             out["received_rows"] = rows
+        if self.host.profile is not None:
+            out["profile"] = self.host.profile.report(steps=self.strategy.steps)
         return out
 
     # -- requests ---------------------------------------------------------------------------
@@ -263,7 +267,11 @@ class ParameterServer:
             self.server.error(request, f"{self.name} does not handle {msg.kind_name} messages")
             return
         try:
-            handler(request)
+            if self.host.profile is None:
+                handler(request)
+            else:
+                with self.host.profile.span(f"handle {msg.kind_name}"):
+                    handler(request)
         except Error as e:
             self.server.error(request, f"{self.name}: {e}")
 

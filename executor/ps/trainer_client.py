@@ -28,11 +28,19 @@ from fluidps.executor.transport.rpc import RpcClient, wait_all
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.ops.runtime_api import Prefetch, Pull, Push
+from fluidps.profiling import Profile
 
 
 class TrainerClient:
-    def __init__(self, settings: RpcSettings, sender: int, context_for: Callable[[str], zmq.Context]):
+    def __init__(
+        self,
+        settings: RpcSettings,
+        sender: int,
+        context_for: Callable[[str], zmq.Context],
+        profile: Profile | None = None,
+    ):
         self.settings = settings
+        self.profile = profile
         self.sender = sender  # this process's incarnation: pservers tell a restarted trainer by it
         self._context_for = context_for
         self.step = 0
@@ -53,6 +61,7 @@ class TrainerClient:
                 self.settings,
                 trainer_id,
                 self.sender,
+                self.profile,
             )
             if trainer_id >= 0:
                 self.trainer_id = trainer_id

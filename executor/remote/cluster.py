@@ -78,6 +78,7 @@ class Cluster:
                     job.insecure,
                     job.peer_timeout,
                     threads,
+                    extra_args=["--profile"] if job.profile else None,
                 )
                 self.processes.append(started[name])
         deadline = time.monotonic() + job.start_timeout

@@ -187,6 +187,7 @@ class ExecutorServer:
             "programs": sorted(self.programs),
             "pservers": servers,
             "rss_bytes": resident_bytes(),
+            **({"profile": runtime.profile.report()} if runtime is not None and runtime.profile else {}),
         }
 
     # -- runs on a worker thread ---------------------------------------------------------------

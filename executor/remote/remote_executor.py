@@ -27,6 +27,7 @@ checkpoint_dir, the job resumes from those instead of the client's values.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import weakref
@@ -51,6 +52,7 @@ from fluidps.ir.program import Program
 from fluidps.ir.types import OpRole, to_numpy_dtype
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.ops.sparse_table import SparseTable, TableSettings
+from fluidps.profiling import Profile
 from fluidps.transpiler.analysis import role, role_params
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
@@ -65,7 +67,9 @@ class JobDesc:
     machine (`fluidps serve` processes listening on `host`). To use servers
     already running elsewhere, give their addresses in `pserver_servers` and
     `trainer_servers`, and the endpoints the pserver loops should listen on in
-    `pserver_endpoints`. `mode` overrides `config.mode`.
+    `pserver_endpoints`. `mode` overrides `config.mode`. `profile`: the servers it
+    starts record where their time goes (`fluidps serve --profile`), and so does this
+    client; RemoteExecutor.profile() collects it.
     """
 
     pservers: int = 1
@@ -78,6 +82,7 @@ class JobDesc:
     pserver_endpoints: Sequence[str] = ()
     keys_dir: str | None = None
     insecure: bool = False
+    profile: bool = False  # every process records where its time goes: exe.profile()
     peer_timeout: float = 10.0
     start_timeout: float = 120.0
     log_dir: str | None = None
@@ -136,6 +141,7 @@ class RemoteExecutor:
         self._deployment: Deployment | None = None
         self._failed: str | None = None
         self._cluster = Cluster(self.job, self.job.rpc_settings())
+        self._profile = Profile() if self.job.profile else None
         # Closed once: by close(), or when this object is collected or Python exits.
         self._finalizer = weakref.finalize(self, self._cluster.close)
 
@@ -229,7 +235,10 @@ class RemoteExecutor:
         if d.reads:
             return self._read_step(program, d, checked, fetch_names)
         parts = _split_feed(checked, len(d.trainers))
-        replies = self._step(d, dict(zip(d.trainers, parts, strict=True)), fetch_names)
+        if self._profile is not None:
+            self._profile.step()
+        with self._profile.span("client step") if self._profile else contextlib.nullcontext():
+            replies = self._step(d, dict(zip(d.trainers, parts, strict=True)), fetch_names)
         sizes = [_batch_size(part) for part in parts]
         values = [[replies[t].tensors[n] for n in fetch_names] for t in d.trainers]
         return [_combine(program, name, [v[k] for v in values], sizes) for k, name in enumerate(fetch_names)]
@@ -384,6 +393,21 @@ class RemoteExecutor:
             return []
         replies = wait_all({i: (c, c.request(Message(Kind.STATUS))) for i, c in enumerate(d.trainers)})
         return [json.loads(replies[i].text) for i in range(len(d.trainers))]
+
+    def profile(self) -> dict[str, Any]:
+        """Where the job's time went so far (JobDesc(profile=True)): {"client": this
+        process's report, "trainers": [each trainer's], "pservers": {endpoint: each
+        pserver's}}, each fluidps.profiling.Profile.report() totals (per_step turns two
+        of them into a per-step breakdown). Servers not started by this executor report
+        only when they were started with --profile."""
+        if self._profile is None:
+            raise ExecutionError("this job is not profiled: give JobDesc(profile=True)")
+        trainers = self.trainer_stats()
+        return {
+            "client": self._profile.report(),
+            "trainers": [t.get("profile") for t in trainers],
+            "pservers": {ep: s.get("profile") for ep, s in self.pserver_stats().items()},
+        }
 
     def checkpoint(self, kind: str | None = None) -> dict[str, str]:
         """Every pserver saves a checkpoint now (into the job's checkpoint_dir, set in

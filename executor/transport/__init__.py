@@ -6,5 +6,5 @@ reply over ROUTER and DEALER sockets with heartbeats, request ids and incarnatio
 (rpc.py), the settings that tune them (settings.py), and CURVE keys and client
 allow-lists (security.py). It knows nothing of what the messages mean.
 
-May import: fluidps.errors, fluidps.endpoints, fluidps.ir.types, fluidps.ops.selected_rows
+May import: fluidps.errors, fluidps.endpoints, fluidps.ir.types, fluidps.ops.selected_rows, fluidps.profiling
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from fluidps.errors import PeerLostError, RemoteError, TransportError, WireError
 from fluidps.executor.transport.security import check_bind
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
+from fluidps.profiling import Profile
 
 # Replies the server keeps per client for repeated requests.
 _REPLY_CACHE = 32
@@ -56,6 +58,13 @@ def connect_dealer(context: zmq.Context, endpoint: str, settings: RpcSettings, t
     return socket
 
 
+def _timed(profile: Profile | None, category: str, work: Callable[[Any], Any], arg: Any) -> Any:
+    if profile is None:
+        return work(arg)
+    with profile.span(category):
+        return work(arg)
+
+
 class RpcClient:
     """A DEALER connected to one server; `peer` names it in errors."""
 
@@ -67,8 +76,10 @@ class RpcClient:
         settings: RpcSettings,
         trainer_id: int = -1,
         sender: int = 0,
+        profile: Profile | None = None,
     ):
         self.endpoint = endpoint
+        self.profile = profile  # times encoding and decoding, in a profiled process
         self.peer = peer
         self.settings = settings
         self.trainer_id = trainer_id
@@ -90,7 +101,7 @@ class RpcClient:
         if msg.trainer_id < 0:
             msg.trainer_id = self.trainer_id
         msg.sender = msg.sender or self.sender
-        frames = encode(msg)
+        frames = _timed(self.profile, "serialize", encode, msg)
         # Not sent (no peer to queue it for): sent at 0, so it goes as soon as a server answers.
         sent = self._send(frames)
         self._sent[rid] = (frames, time.monotonic() if sent else 0.0, msg.kind)
@@ -168,7 +179,7 @@ class RpcClient:
                 return
             self._last_heard = time.monotonic()
             try:
-                reply = decode(frames)
+                reply = _timed(self.profile, "deserialize", decode, frames)
             except WireError as e:
                 raise TransportError(f"{self.peer} ({self.endpoint}) sent a malformed message: {e}") from None
             self._check_incarnation(reply)
@@ -252,8 +263,16 @@ class RpcServer:
     """A ROUTER bound to one address. `receive` hands out checked requests; the
     caller answers each with `reply` / `error`, now or later."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, name: str, settings: RpcSettings):
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        name: str,
+        settings: RpcSettings,
+        profile: Profile | None = None,
+    ):
         self.name = name
+        self.profile = profile
         self.settings = settings
         self.address = zmq_address(endpoint)
         check_bind(self.address, settings.security, settings.insecure)
@@ -319,7 +338,7 @@ class RpcServer:
     def _accept(self, frames: list[Any]) -> Request | None:
         client, body = bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]), frames[1:]
         try:
-            msg = decode(body)
+            msg = _timed(self.profile, "deserialize", decode, body)
         except WireError as e:
             self.rejected += 1
             self._send(client, Message(Kind.ERROR, text=f"{self.name} rejected a malformed message: {e}"))
@@ -364,7 +383,7 @@ class RpcServer:
 
     def _send(self, client: bytes, msg: Message) -> list[Any]:
         msg.incarnation = self.incarnation
-        frames = encode(msg)
+        frames = _timed(self.profile, "serialize", encode, msg)
         self._socket.send_multipart([client, *frames], copy=False)
         return frames
 

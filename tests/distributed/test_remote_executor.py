@@ -413,3 +413,40 @@ def test_on_demand_base_and_delta_checkpoints_of_a_hashed_table_resume_the_job(t
         exe.run(startup)  # overwritten by what the pservers restore
         got = [float(exe.run(main, feed=b, fetch_list=[loss])[0]) for b in batches[6:]]
     assert got == expected[6:]
+
+
+def test_a_profiled_job_reports_where_each_process_spent_each_step():
+    """JobDesc(profile=True): exe.profile() holds the client's, each trainer's and each
+    pserver's time by category, over the steps each counted."""
+    from fluidps.profiling import per_step
+
+    main, startup, loss, _, _ = _mlp()
+    batches = _mlp_batches(4)
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=2, trainers=2, profile=True)) as exe:
+        exe.run(startup)
+        exe.run(main, feed=batches[0], fetch_list=[loss])
+        before = exe.profile()
+        for b in batches[1:]:
+            exe.run(main, feed=b, fetch_list=[loss])
+        after = exe.profile()
+    assert (before["client"]["steps"], after["client"]["steps"]) == (1, 4)
+    assert [t["steps"] for t in after["trainers"]] == [4, 4]
+    assert [p["steps"] for p in after["pservers"].values()] == [4, 4]  # sync: one optimization a step
+    for trainer_before, trainer_after in zip(before["trainers"], after["trainers"], strict=True):
+        steps = per_step(trainer_before, trainer_after)
+        assert steps["steps"] == 3
+        assert steps["calls_per_step"]["send_barrier"] == 1 and steps["calls_per_step"]["recv"] == 1
+        assert steps["ms_per_step"]["compute"] > 0
+    for endpoint, pserver in after["pservers"].items():
+        steps = per_step(before["pservers"][endpoint], pserver)
+        assert steps["calls_per_step"]["handle SEND_BARRIER"] == 2  # one per trainer
+        assert steps["ms_per_step"]["optimize"] > 0
+
+
+def test_profile_needs_a_profiled_job():
+    exe = fluidps.RemoteExecutor(fluidps.JobDesc())
+    try:
+        with pytest.raises(fluidps.ExecutionError, match="JobDesc\\(profile=True\\)"):
+            exe.profile()
+    finally:
+        exe.close()

@@ -153,6 +153,23 @@ def test_distributed_bench_runs_the_ctr_model_with_a_distributed_table():
         assert "stats_error" not in job and job["vs_local"] > 0
 
 
+def test_distributed_bench_profiles_every_process_of_a_job():
+    args = ["--quick", "--models", "ctr_distributed", "--topologies", "1x1", "--modes", "sync,async"]
+    rows = bench(
+        "distributed", *args, "--ctr-vocab", "2600", "--no-torch", "--bandwidth-mib", "1", "--profile"
+    )
+    jobs = [r for r in rows if r.get("bench") == "ctr_distributed" and r["mode"] != "local"]
+    assert [r["mode"] for r in jobs] == ["sync", "async"]
+    for job in jobs:
+        profile = job["profile"]
+        assert sorted(profile) == ["client", "pserver 0", "trainer 0"]
+        assert profile["client"]["client step"] > 0
+        trainer, pserver = profile["trainer 0"], profile["pserver 0"]
+        assert {"compute", "send", "recv", "distributed_lookup_table", "serialize"} <= set(trainer)
+        assert {"optimize", "handle SEND", "handle PREFETCH", "deserialize"} <= set(pserver)
+        assert ("send_barrier" in trainer) == (job["mode"] == "sync")
+
+
 def test_distributed_bench_runs_the_ctr_model_over_a_hashed_table():
     args = ["--quick", "--models", "ctr_hashed", "--topologies", "1x1", "--modes", "sync"]
     rows = bench("distributed", *args, "--no-torch", "--bandwidth-mib", "1", "--hashed-ids", "3000")

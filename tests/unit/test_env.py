@@ -153,10 +153,13 @@ def test_runtime_config_from_env():
             "FLUIDPS_CHECKPOINT_EVERY_STEPS": "5",
             "FLUIDPS_CHECKPOINT_EVERY_SECONDS": "2.5",
             "FLUIDPS_CHECKPOINT_KEEP": "4",
+            "FLUIDPS_CHECKPOINT_BASE_EVERY": "3",
+            "FLUIDPS_PROFILE": "1",
         }
     )
     assert config.coordinator == "tcp://127.0.0.1:7000" and config.rpc.request_timeout == 7.0
-    assert config.checkpoints == CheckpointOverrides("/tmp/ckpt", 5, 2.5, 4)
+    assert config.checkpoints == CheckpointOverrides("/tmp/ckpt", 5, 2.5, 4, 3)
+    assert config.profile and not runtime_config_from_env({"FLUIDPS_PROFILE": "0"}).profile
     assert (
         runtime_config_from_env({"FLUIDPS_CHECKPOINT_EVERY_STEPS": ""}).checkpoints == CheckpointOverrides()
     )
@@ -166,6 +169,7 @@ def test_runtime_config_from_env():
         ("FLUIDPS_CHECKPOINT_EVERY_SECONDS", "soon"),
         ("FLUIDPS_CHECKPOINT_EVERY_SECONDS", "inf"),
         ("FLUIDPS_CHECKPOINT_KEEP", "0"),
+        ("FLUIDPS_CHECKPOINT_BASE_EVERY", "0"),
     ]:
         with pytest.raises(CheckpointError, match=f"{name}='{bad}' is invalid"):
             runtime_config_from_env({name: bad})
