@@ -82,10 +82,10 @@ class JobDesc:
     pserver_endpoints: Sequence[str] = ()
     keys_dir: str | None = None
     insecure: bool = False
-    profile: bool = False  # every process records where its time goes: exe.profile()
     peer_timeout: float = 10.0
     start_timeout: float = 120.0
     log_dir: str | None = None
+    profile: bool = False  # every process records where its time goes: exe.profile()
 
     def __post_init__(self) -> None:
         if self.pservers < 1 or self.trainers < 1:
