@@ -55,17 +55,21 @@ class BlockRunner:
         }
 
     def run(self, env: Any) -> None:
-        index, profile, clock = 0, self._profile, time.perf_counter
+        index = 0
         try:
-            for index, runner in enumerate(self.runners):
-                if profile is None or self._categories[index] is None:
+            if self._profile is None:
+                for index, runner in enumerate(self.runners):  # noqa: B007 (index names the failing op)
                     runner(env)
-                    continue
-                start = clock()
-                try:
-                    runner(env)
-                finally:
-                    profile.add(self._categories[index], clock() - start)
+            else:
+                add, clock = self._profile.add, time.perf_counter
+                timed = zip(self.runners, self._categories, strict=True)
+                for index, (runner, category) in enumerate(timed):  # noqa: B007 (as above)
+                    start = clock()
+                    try:
+                        runner(env)
+                    finally:
+                        if category is not None:
+                            add(category, clock() - start)
         except (EOFException, NoDataYet):
             raise  # not failures: a reader's end of data, which training loops catch
         except Exception as e:

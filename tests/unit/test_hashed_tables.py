@@ -63,6 +63,12 @@ def rows_by_id(table: SparseTable) -> dict[int, np.ndarray]:
     return dict(zip(ids.tolist(), values, strict=True))
 
 
+def assert_same_rows(got: dict[int, np.ndarray], want: dict[int, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for i, row in want.items():
+        np.testing.assert_array_equal(got[i], row)
+
+
 class Job:
     """A sync job of one trainer in this process."""
 
@@ -85,6 +91,15 @@ class Job:
         for shard in self.shards(name):
             out |= rows_by_id(shard)
         return out
+
+    def train_beside(self, local, main, loss, feeds, compare=True):
+        """Train the job and `local` (on `main`) on the same feeds; with `compare`, every
+        loss equal."""
+        for feed in feeds:
+            (remote,) = self.exe.run(self.program, feed=feed, fetch_list=[loss])
+            (expected,) = local.run(main, feed=feed, fetch_list=[loss])
+            if compare:
+                np.testing.assert_array_equal(remote, expected)
 
     def local_twin(self, main, startup):
         """A local Executor starting from the job's dense values (the table starts empty)."""
@@ -266,15 +281,10 @@ def test_sync_job_with_a_hashed_table_trains_exactly_like_local(rule, pservers):
     try:
         assert TABLE not in job.exe.scope
         local = job.local_twin(main, startup)
-        for feed in batches(10):
-            (remote,) = job.exe.run(job.program, feed=feed, fetch_list=[loss])
-            (expected,) = local.run(main, feed=feed, fetch_list=[loss])
-            np.testing.assert_array_equal(remote, expected)
+        job.train_beside(local, main, loss, batches(10))
         want = rows_by_id(local.scope[TABLE])
-        got = job.rows()
-        assert sorted(got) == sorted(want) and len(want) > 10
-        for i, row in want.items():
-            np.testing.assert_array_equal(got[i], row)
+        assert_same_rows(job.rows(), want)
+        assert len(want) > 10
         for k, shard in enumerate(job.shards()):  # each id on the pserver the rule says
             ids, _ = shard.items()
             assert (owners(ids, pservers) == k).all()
@@ -359,9 +369,7 @@ def test_checkpoints_keep_rows_state_and_counters_and_restore_onto_more_pservers
     first = Job(main, startup, 2, config)
     local = first.local_twin(main, startup)
     try:
-        for feed in feeds[:6]:
-            first.exe.run(first.program, feed=feed, fetch_list=[loss])
-            local.run(main, feed=feed, fetch_list=[loss])
+        first.train_beside(local, main, loss, feeds[:6], compare=False)
         dense = {p.name: np.array(first.exe.scope[p.name]) for p in main.all_parameters() if p.name != TABLE}
         saved = first.rows()
         pending = sum(s.stats()["pending_ids"] for s in first.shards())
@@ -374,24 +382,16 @@ def test_checkpoints_keep_rows_state_and_counters_and_restore_onto_more_pservers
         second.exe.run(second.transpiler.get_trainer_startup_program())  # the restored values
         for name, value in dense.items():
             np.testing.assert_array_equal(second.exe.scope[name], value)
-        got = second.rows()
-        assert sorted(got) == sorted(saved)
-        for i, row in saved.items():
-            np.testing.assert_array_equal(got[i], row)
+        assert_same_rows(second.rows(), saved)
         for k, shard in enumerate(second.shards()):
             assert (owners(shard.items()[0], 3) == k).all()
         assert sum(s.stats()["pending_ids"] for s in second.shards()) == pending
-        for feed in feeds[6:]:
-            (remote,) = second.exe.run(second.program, feed=feed, fetch_list=[loss])
-            (expected,) = local.run(main, feed=feed, fetch_list=[loss])
-            np.testing.assert_array_equal(remote, expected)
+        second.train_beside(local, main, loss, feeds[6:])
         final = second.rows()
     finally:
         second.close()
     want = rows_by_id(local.scope[TABLE])
-    assert sorted(final) == sorted(want)
-    for i, row in want.items():
-        np.testing.assert_array_equal(final[i], row)
+    assert_same_rows(final, want)
 
     out = tmp_path / "model"
     fluidps.io.merge_checkpoints(tmp_path / "ckpt", out)
@@ -496,9 +496,7 @@ def test_scheduled_deltas_restore_exactly_and_pruning_keeps_the_base_they_need(t
     first = Job(main, startup, 2, config)
     local = first.local_twin(main, startup)
     try:
-        for feed in feeds[:8]:
-            first.exe.run(first.program, feed=feed, fetch_list=[loss])
-            local.run(main, feed=feed, fetch_list=[loss])
+        first.train_beside(local, main, loss, feeds[:8], compare=False)
         saved = first.rows()
     finally:
         first.close()  # no end checkpoint: step 8's is the last
@@ -512,14 +510,8 @@ def test_scheduled_deltas_restore_exactly_and_pruning_keeps_the_base_they_need(t
     second = Job(main, startup, 3, config)
     try:
         second.exe.run(second.transpiler.get_trainer_startup_program())
-        got = second.rows()
-        assert sorted(got) == sorted(saved)
-        for i, row in saved.items():
-            np.testing.assert_array_equal(got[i], row)
-        for feed in feeds[8:]:
-            (remote,) = second.exe.run(second.program, feed=feed, fetch_list=[loss])
-            (expected,) = local.run(main, feed=feed, fetch_list=[loss])
-            np.testing.assert_array_equal(remote, expected)
+        assert_same_rows(second.rows(), saved)
+        second.train_beside(local, main, loss, feeds[8:])
     finally:
         second.close()
     # After a restore the schedule starts with a base.
