@@ -22,7 +22,8 @@ includes the deploy and the numba compiles):
                  hashes into a hashed table (layers.sparse_embedding, Adam), global batch 512
 each as a RemoteExecutor job of 1x1, 2x1 and 2x2 trainers x pservers in sync
 and async mode (every `fluidps serve` process on 127.0.0.1; the global batch
-is split across the trainers), next to fluidps.Executor on the same programs
+is split across the trainers; exe.run_batches keeps `--prefetch-batches` steps in
+flight, 2 by default, 1 for one exe.run at a time), next to fluidps.Executor on the same programs
 and batches ("local" rows) and, when PyTorch is importable, bench.local's
 PyTorch models (torch rows: the digits one trains with SGD, not Adam).
 
@@ -39,8 +40,9 @@ a clock read around every op.
 
 Bandwidth (MiB/s of a 16 MiB float32 parameter, 4M elements, median of `repeats`):
 - fluidps pull: exe.scope[name] (a GET to the one pserver of a 1x1 job)
-- fluidps push: exe.scope[name] = value (a SET to the pserver, and to the trainer,
-  which holds a copy of every parameter: 2 x 16 MiB leave the client)
+- fluidps push: exe.scope[name] = value (a SET to the pserver; the trainer, which holds
+  a copy of every parameter, is only told that its copy is stale and pulls it from
+  the pserver before its next step: 16 MiB leave the client once)
 - pyzmq push / pull: the same 16 MiB as one raw frame between this process
   (DEALER) and a subprocess (ROUTER), copy=False both ways, acknowledged by a
   small reply: the transport's ceiling on this machine, measured in this run.
@@ -61,6 +63,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMB
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -180,26 +183,45 @@ def run_local(w: Workload, repeats: int, warmup: int) -> tuple[float, float]:
     return rate * batch, float(last[0])
 
 
+@dataclass(frozen=True)
+class JobOptions:
+    profile: bool = False  # each process's breakdown per step in the row
+    prefetch_batches: int = 2  # steps in flight (JobDesc.prefetch_batches; 1: one at a time)
+
+
 def run_job(
-    w: Workload, trainers: int, pservers: int, mode: str, repeats: int, warmup: int, profile: bool = False
+    w: Workload, trainers: int, pservers: int, mode: str, repeats: int, warmup: int, options: JobOptions
 ) -> tuple[float, dict]:
-    """(samples/s, row fields) of a RemoteExecutor job on the workload; with `profile`,
-    the fields hold each process's breakdown per step, from after the first step."""
+    """(samples/s, row fields) of a RemoteExecutor job on the workload, trained with
+    exe.run_batches; with `options.profile`, the fields hold each process's breakdown
+    per step, from after the first step."""
     main, startup, loss = w.build()
-    job = fluidps.JobDesc(pservers=pservers, trainers=trainers, mode=mode, profile=profile)
+    job = fluidps.JobDesc(
+        pservers=pservers,
+        trainers=trainers,
+        mode=mode,
+        profile=options.profile,
+        prefetch_batches=options.prefetch_batches,
+    )
     start = time.perf_counter()
     last = []
 
-    def step(i: int) -> None:
-        last[:] = exe.run(main, feed=w.batches[i % len(w.batches)], fetch_list=[loss])
+    def train(steps: int, first: int) -> float:
+        """Steps per second of `steps` steps through run_batches (its pipeline starts empty)."""
+        batches = (w.batches[(first + i) % len(w.batches)] for i in range(steps))
+        began = time.perf_counter()
+        for fetched in exe.run_batches(main, batches, [loss]):
+            last[:] = fetched
+        return steps / (time.perf_counter() - began)
 
     with fluidps.RemoteExecutor(job) as exe:
         exe.run(startup)
-        step(0)  # deploys the job
+        train(1, 0)  # deploys the job
         setup_s = time.perf_counter() - start
-        profiled = exe.profile() if profile else None
-        rate = timed(step, w.steps, repeats, warmup)
-        if profile:
+        profiled = exe.profile() if options.profile else None
+        train(warmup, 1)
+        rate = statistics.median(train(w.steps, 1 + warmup + r * w.steps) for r in range(repeats))
+        if options.profile:
             profiled = breakdown(profiled, exe.profile())
         steps_run = 1 + warmup + w.steps * repeats
         stats_start = time.perf_counter()
@@ -211,6 +233,7 @@ def run_job(
         trainers_rss = [t["rss_bytes"] for t in exe.trainer_stats()]
     batch = len(next(iter(w.batches[0].values())))
     fields = {
+        "prefetch_batches": options.prefetch_batches,
         "steps": w.steps * repeats,
         "warmup_steps": 1 + warmup,
         "loss": round(float(last[0]), 4),
@@ -246,7 +269,7 @@ def breakdown(before: dict, after: dict) -> dict:
 
 
 def bench_training(
-    w: Workload, torch, repeats: int, warmup: int, topologies, modes, profile: bool = False
+    w: Workload, torch, repeats: int, warmup: int, topologies, modes, options: JobOptions
 ) -> None:
     local, local_loss = run_local(w, repeats, warmup)
     print(
@@ -272,7 +295,7 @@ def bench_training(
         print(json.dumps(row), flush=True)
     for trainers, pservers in topologies:
         for mode in modes:
-            rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup, profile)
+            rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup, options)
             row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
             row["vs_local"] = round(rate / local, 3)
             print(json.dumps(row), flush=True)
@@ -440,7 +463,7 @@ def bench_bandwidth(nbytes: int, repeats: int) -> None:
     raw = zmq_bandwidth(nbytes, repeats)
     ours = fluidps_bandwidth(nbytes, repeats)
     for op in ("pull", "push"):
-        sent = "pserver + trainer (2 copies sent)" if op == "push" else "pserver"
+        sent = "pserver (the trainer pulls it before its next step)" if op == "push" else "pserver"
         print(
             json.dumps(
                 bandwidth_row(
@@ -507,7 +530,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="jobs record where each process's time goes (a `profile` field)",
     )
+    parser.add_argument(
+        "--prefetch-batches",
+        type=int,
+        default=fluidps.JobDesc().prefetch_batches,
+        help="steps each job keeps in flight (JobDesc.prefetch_batches; 1: one at a time)",
+    )
     args = parser.parse_args(argv)
+    options = JobOptions(args.profile, args.prefetch_batches)
     repeats, warmup, scale = args.repeats, 5, args.scale
     if args.quick:
         repeats, warmup, scale = 1, 2, 0.05
@@ -529,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models.split(","):
         if name == "digits_mlp":
             w = digits_workload(args.digits_batch, max(int(150 * scale), 3))
-            bench_training(w, torch, repeats, warmup, topologies, modes, args.profile)
+            bench_training(w, torch, repeats, warmup, topologies, modes, options)
         elif name == "ctr_hashed":
             bench_training(
                 ctr_hashed_workload(args.ctr_batch, max(int(40 * scale), 3)),
@@ -538,12 +568,12 @@ def main(argv: list[str] | None = None) -> None:
                 warmup,
                 topologies,
                 modes,
-                args.profile,
+                options,
             )
         elif name in ("ctr_embedding", "ctr_distributed"):
             for vocab in (int(v) for v in args.ctr_vocab.split(",")):
                 w = ctr_workload(args.ctr_batch, max(int(40 * scale), 3), vocab, name == "ctr_distributed")
-                bench_training(w, torch, repeats, warmup, topologies, modes, args.profile)
+                bench_training(w, torch, repeats, warmup, topologies, modes, options)
         else:
             raise SystemExit(f"unknown model {name!r}")
     if args.hashed_ids:

@@ -169,6 +169,8 @@ class PreparedProgram:
             env[FETCH_VAR_NAME] = [None] * len(self.fetch_ops)
         try:
             self.runner.run(env)
+            if self.counts_steps and self.runtime is not None:
+                self.runtime.trainer.end_step()
         except (EOFException, NoDataYet):
             raise
         except Exception as e:

@@ -1,9 +1,12 @@
 """The ops the distribute transpiler inserts.
 
 Trainer side: split_byref / split_selected_rows cut a gradient into the
-row ranges the pservers own; send ships them; send_barrier ends a step's
-sends (sync mode); recv pulls parameter slices; fetch_barrier ends the
-step's receives; concat (ops.shape) puts a parameter back together.
+row ranges the pservers own; send ships them (the transpiler puts one right
+after each gradient's last writer; the runtime batches them per pserver);
+send_barrier ends a step's sends (sync mode); recv pulls parameter slices;
+fetch_barrier ends the step's receives; concat (ops.shape) puts a parameter
+back together. How many messages these make is the runtime's business (the
+barrier and the recv ride on the step's last send to each pserver).
 
 Pserver side: listen_and_serv is the server loop. It receives gradients,
 runs the optimize sub-blocks (one per parameter slice; grad_to_block_id says
@@ -92,6 +95,9 @@ family.define(
         # Async mode: accumulate gradients locally and upload every n mini-batches.
         Int("send_interval", 1, lambda n: n >= 1, "send_interval must be >= 1"),
         Bool("sync_mode", True),
+        # Gradients are held per pserver until this many bytes are, or until the step's
+        # next exchange with it (0: sent at once); see DistributeTranspilerConfig.
+        Int("bucket_bytes", 0, lambda n: n >= 0, "bucket_bytes must be >= 0"),
     ],
 )
 
@@ -221,6 +227,7 @@ def _send_kernel(op: KernelOp) -> Runner:
     names = op.inputs("X")
     remote = op.attr("send_varnames") or names
     epmap, trainer_id, interval = op.attr("epmap"), op.attr("trainer_id"), op.attr("send_interval")
+    bucket = op.attr("bucket_bytes")
     if len(epmap) != len(names) or len(remote) != len(names):
         raise ExecutionError(f"send: {len(names)} variables but {len(epmap)} endpoints / {len(remote)} names")
     trainer = op.runtime.trainer
@@ -229,7 +236,7 @@ def _send_kernel(op: KernelOp) -> Runner:
         # Async with send_interval n: the runtime uploads the mean of n steps' gradients
         # every n steps (it keeps the sum, so it survives this program being prepared again).
         items = list(zip(epmap, remote, [env[n] for n in names], strict=True))
-        trainer.send(items, trainer_id, every=interval)
+        trainer.send(items, trainer_id, every=interval, bucket_bytes=bucket)
 
     return run
 

@@ -30,8 +30,9 @@ Prefetch = tuple[str, str, "np.ndarray"]
 class TrainerChannel(Protocol):
     """A trainer's exchanges with its pservers."""
 
-    def send(self, items: Sequence[Push], trainer_id: int, every: int = 1) -> None:
-        """Push gradients; with every=n, the mean of n calls' gradients every n-th call."""
+    def send(self, items: Sequence[Push], trainer_id: int, every: int = 1, bucket_bytes: int = 0) -> None:
+        """Push gradients, held per pserver until `bucket_bytes` are or until the step's next
+        exchange with it; with every=n, the mean of n calls' gradients every n-th call."""
 
     def get(self, items: Sequence[Pull], trainer_id: int, every: int = 1) -> list[Any]:
         """Pull values after this step; with every=m, only every m-th step."""
@@ -41,10 +42,14 @@ class TrainerChannel(Protocol):
         mode once the step before is applied, as a pull)."""
 
     def send_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
-        """This step's gradients are all sent (sync mode): wait until the pservers have them."""
+        """This step's gradients are all sent (sync mode); its next pull from each pserver
+        is answered once the step is applied there."""
 
     def fetch_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
         """This step's parameters are all received."""
+
+    def end_step(self) -> None:
+        """The step's program is done: nothing of it may stay held."""
 
 
 class GradientQueue(Protocol):

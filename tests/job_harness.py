@@ -17,7 +17,9 @@ import zmq
 
 import fluidps
 from fluidps.executor.runtime import RuntimeConfig
+from fluidps.executor.transport.rpc import RpcClient
 from fluidps.executor.transport.settings import RpcSettings
+from fluidps.executor.transport.wire import Kind, Message
 
 
 class PserverThreads:
@@ -52,6 +54,15 @@ class PserverThreads:
             if exe.has_runtime and exe.runtime.pserver_loops:
                 self.final_stats[endpoint] = exe.runtime.pserver_loops[0].stats()
             exe.close()
+
+    def wait_serving(self, timeout: float | None = None) -> None:
+        """Wait until every pserver loop answers: it has restored its checkpoints."""
+        for endpoint in self.endpoints:
+            client = RpcClient(self.context, endpoint, f"pserver {endpoint}", self.config.rpc)
+            try:
+                client.call(Message(Kind.HELLO), timeout=self.wait if timeout is None else timeout)
+            finally:
+                client.close()
 
     def trainer_executor(self, settings: RpcSettings | None = None) -> fluidps.Executor:
         """An Executor for a trainer of this job (its settings unless given)."""

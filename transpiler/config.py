@@ -39,6 +39,12 @@ class DistributeTranspilerConfig:
       this many rows become distributed tables, as if marked is_distributed: they stay
       on the pservers and trainers prefetch only the rows of their batch (0: only tables
       marked is_distributed).
+    send_bucket_bytes: each gradient's send comes right after the op that computes it (in
+      backward order), so pservers optimize a parameter while the trainer computes the
+      gradients of the layers below. A trainer holds gradients for a pserver until this
+      many bytes are held (a bigger message costs less than several small ones), then
+      sends them without waiting; the rest ride on the step's last message (0: every
+      send goes at once).
     """
 
     slice_var_up: bool = True
@@ -55,6 +61,7 @@ class DistributeTranspilerConfig:
     checkpoint_keep: int = 3
     checkpoint_base_every: int = 1
     distributed_table_min_rows: int = 0
+    send_bucket_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         if self.split_method not in SPLIT_METHODS:
@@ -87,6 +94,8 @@ class DistributeTranspilerConfig:
                 f"distributed_table_min_rows must be >= 0 (0: only is_distributed tables), "
                 f"got {self.distributed_table_min_rows}"
             )
+        if self.send_bucket_bytes < 0:
+            raise BuilderError(f"send_bucket_bytes must be >= 0, got {self.send_bucket_bytes}")
         if not self.optimizer_state_with_slice:
             raise UnsupportedError(
                 "optimizer_state_with_slice=False: each slice's optimizer op updates that slice's "

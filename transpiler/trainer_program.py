@@ -47,18 +47,24 @@ def build_trainer_program(
         _prefetch(block, table, [s for s in slices if s.param == table], trainer_id)
         block.remove_var(table)
     _drop_unused_vars(block)
-    sent: list[tuple[str, Slice]] = []
-    for update in roles.updates:
-        sent += _split_gradient(block, update.grad, [s for s in slices if s.param == update.param])
-    if sent:
+    # Each gradient is cut and sent right after the last op that writes it: in backward
+    # order, while the gradients of the layers below are still being computed.
+    # (Inserted from the back, so that the positions found stay valid.)
+    placed = [(_after_last_write(block, update.grad), update) for update in roles.updates]
+    for position, update in sorted(placed, key=lambda p: p[0], reverse=True):
+        mine = [s for s in slices if s.param == update.param]
+        sent = _split_gradient(block, update.grad, mine, position)
         attrs = {
             "epmap": [s.endpoint for _, s in sent],
             "send_varnames": [s.grad for _, s in sent],
             "trainer_id": trainer_id,
             "sync_mode": config.mode == "sync",
             "send_interval": config.send_interval,
+            "bucket_bytes": config.send_bucket_bytes,
         }
-        append_role_op(block, "send", {"X": [name for name, _ in sent]}, {}, attrs, role=OpRole.RPC)
+        split_ops = 1 if len(mine) > 1 else 0
+        send = {"X": [name for name, _ in sent]}
+        append_role_op(block, "send", send, {}, attrs, role=OpRole.RPC, index=position + split_ops)
     if config.mode == "sync":
         append_role_op(
             block,
@@ -179,9 +185,15 @@ def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int) ->
         )
 
 
-def _split_gradient(block: Block, grad: str, mine: list[Slice]) -> list[tuple[str, Slice]]:
-    """Cut `grad` into the slices `mine` (nothing to cut for a whole parameter);
-    returns (local variable, slice) pairs for the send."""
+def _after_last_write(block: Block, name: str) -> int:
+    """The position just after the last op of `block` that writes `name` (0: none does)."""
+    writers = [i for i, op in enumerate(block.ops) if name in op.output_arg_names]
+    return writers[-1] + 1 if writers else 0
+
+
+def _split_gradient(block: Block, grad: str, mine: list[Slice], index: int) -> list[tuple[str, Slice]]:
+    """Cut `grad` into the slices `mine` with an op inserted at `index` (nothing to cut for a
+    whole parameter); returns (local variable, slice) pairs for the send."""
     if len(mine) == 1:
         return [(grad, mine[0])]
     var = block.var(grad)
@@ -191,27 +203,12 @@ def _split_gradient(block: Block, grad: str, mine: list[Slice]) -> list[tuple[st
     names = [s.grad for s in mine]
     sections = [s.rows for s in mine]
     if mine[0].hashed:
-        append_role_op(
-            block,
-            "shard_selected_rows",
-            {"X": grad},
-            {"Out": names},
-            {"table_name": mine[0].param},
-            role=OpRole.Dist,
-        )
+        split, attrs = "shard_selected_rows", {"table_name": mine[0].param}
     elif var.type == VarType.SELECTED_ROWS:
-        append_role_op(
-            block,
-            "split_selected_rows",
-            {"X": grad},
-            {"Out": names},
-            {"height_sections": sections},
-            role=OpRole.Dist,
-        )
+        split, attrs = "split_selected_rows", {"height_sections": sections}
     else:
-        append_role_op(
-            block, "split_byref", {"X": grad}, {"Out": names}, {"sections": sections}, role=OpRole.Dist
-        )
+        split, attrs = "split_byref", {"sections": sections}
+    append_role_op(block, split, {"X": grad}, {"Out": names}, attrs, role=OpRole.Dist, index=index)
     return list(zip(names, mine, strict=True))
 
 

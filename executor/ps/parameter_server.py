@@ -295,16 +295,26 @@ class ParameterServer:
     # -- gradients ------------------------------------------------------------------------
 
     def _on_send(self, request: Request) -> None:
+        """Gradients; with `barrier`, also the trainer's send barrier of its step; with
+        names, also a GET of them (answered once the step allows, as a GET is)."""
         msg = request.msg
         unknown = [g for g in msg.tensors if g not in self.grad_block]
         if unknown:
             self.server.error(request, f"{self.name} owns no gradient named {', '.join(map(repr, unknown))}")
             return
+        self._check_gettable(msg.names)
         for grad, value in msg.tensors.items():
             if isinstance(value, SelectedRows):
                 self.received_rows.setdefault(grad, RowLog()).add(value.rows)
         self.strategy.on_gradients(msg.trainer_id, msg.step, msg.tensors)
+        if msg.names:
+            if msg.barrier:
+                self.strategy.on_barrier(msg.trainer_id)
+            self._pull(request)
+            return
         self.server.reply(request)
+        if msg.barrier:
+            self.strategy.on_barrier(msg.trainer_id)
 
     def _on_send_barrier(self, request: Request) -> None:
         self.server.reply(request)
@@ -351,17 +361,16 @@ class ParameterServer:
     # -- parameters -----------------------------------------------------------------------
 
     def _on_get(self, request: Request) -> None:
-        unknown = [n for n in request.msg.names if n not in self.served or n not in self.env]
-        if unknown:
-            self.server.error(request, f"{self.name} holds no variable {', '.join(map(repr, unknown))}")
-            return
-        hashed = [n for n in request.msg.names if isinstance(self.env[n], SparseTable)]
-        if hashed:
-            self.server.error(
-                request, f"{self.name}: hashed table {hashed[0]!r} is read by id (PREFETCH), never whole"
-            )
-            return
+        self._check_gettable(request.msg.names)
         self._pull(request)
+
+    def _check_gettable(self, names: list[str]) -> None:
+        unknown = [n for n in names if n not in self.served or n not in self.env]
+        if unknown:
+            raise ExecutionError(f"holds no variable {', '.join(map(repr, unknown))}")
+        hashed = [n for n in names if isinstance(self.env[n], SparseTable)]
+        if hashed:
+            raise ExecutionError(f"hashed table {hashed[0]!r} is read by id (PREFETCH), never whole")
 
     def _on_prefetch(self, request: Request) -> None:
         """Rows of distributed tables: each tensor names a table block here and holds

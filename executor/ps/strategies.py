@@ -1,10 +1,14 @@
 """How a pserver applies gradients and when it answers a GET: one class per mode.
 
-- sync: trainer i's gradient of a slice lands in `<grad>.trainer_<i>`; when every
-  live trainer has sent its send_barrier for the step, the learning-rate block and
-  every optimize block run (they sum the copies and scale by 1/trainers: trainers
-  that sent nothing this step, paused or done, count as the mean of those that
-  did), and each trainer's GET is answered once the step holding its barrier is done.
+- sync: trainer i's gradient of a slice lands in `<grad>.trainer_<i>`. A slice whose
+  gradient every trainer of the job has sent is optimized at once (the learning-rate
+  block first, once a step), while the trainers still compute the gradients of the
+  layers below. When every live trainer has sent its send barrier for the step, the
+  other slices' optimize blocks run (they sum the copies and scale by 1/trainers:
+  trainers that sent nothing this step, paused or done, count as the mean of those
+  that did), and each trainer's GET is answered once the step holding its barrier is
+  done. Either way each block runs once a step, on the same sums, so the order does
+  not change the result.
 - async: each arriving gradient runs its receive block (an enqueue); one worker
   thread per optimize block dequeues and applies gradients as they come, holding that
   slice's lock, and GETs copy under the lock. Clocks (the steps each trainer sent)
@@ -106,6 +110,8 @@ class SyncStrategy(Strategy):
         super().__init__(ps)
         self.arrived: set[int] = set()  # send barriers of the current step
         self.sent: set[int] = set()  # trainers whose gradients of the current step arrived
+        self.senders: dict[str, set[int]] = {}  # per gradient: the trainers that sent it this step
+        self.applied: set[str] = set()  # gradients whose optimize block ran this step
         self.awaiting: dict[int, int] = {}  # the step each trainer's next GET waits for
         self.completed = 0  # optimization steps done
 
@@ -117,17 +123,31 @@ class SyncStrategy(Strategy):
         self.completed = step
 
     def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> None:
+        ps = self.ps
+        everyone = set(range(ps.fanin))
         for grad, value in tensors.items():
-            self.ps.env[f"{grad}.trainer_{trainer}"] = value
+            if grad in self.applied:
+                # Applied with every trainer's gradient already: this one is a resent message
+                # or comes from a restarted trainer redoing the step; it counted once.
+                ps.log(
+                    f"trainer {trainer}'s {grad!r} (its step {step}) came after this step applied "
+                    "every trainer's; dropped (a resent message, or a restarted trainer)"
+                )
+                continue
+            ps.env[f"{grad}.trainer_{trainer}"] = value
             self.sent.add(trainer)
+            senders = self.senders.setdefault(grad, set())
+            senders.add(trainer)
+            if senders == everyone:  # the common case: no trainer paused, done or gone
+                self._apply(grad)
 
     def on_barrier(self, trainer: int) -> None:
         self.arrived.add(trainer)
         self.awaiting[trainer] = self.completed + 1
-        self._maybe_optimize()
+        self._maybe_complete()
 
     def on_members_changed(self) -> None:
-        self._maybe_optimize()
+        self._maybe_complete()
 
     def forget(self, trainer: int) -> None:
         self.arrived.discard(trainer)
@@ -142,7 +162,15 @@ class SyncStrategy(Strategy):
     def stats(self) -> dict[str, Any]:
         return {"completed_steps": self.completed}
 
-    def _maybe_optimize(self) -> None:
+    def _apply(self, grad: str) -> None:
+        """Run `grad`'s optimize block (and, first in a step, the learning-rate block)."""
+        ps = self.ps
+        if not self.applied and ps.lr_block is not None:
+            ps.lr_block.run(ps.env)
+        self.applied.add(grad)
+        ps.blocks[ps.grad_block[grad]].run(ps.env)
+
+    def _maybe_complete(self) -> None:
         ps = self.ps
         live = ps.members.live
         if not self.arrived or not live <= self.arrived:
@@ -150,20 +178,21 @@ class SyncStrategy(Strategy):
         contributors = self.arrived & self.sent
         if contributors:
             missing = set(range(ps.fanin)) - contributors
+            waiting = sorted((g for g in ps.grad_block if g not in self.applied), key=ps.grad_block.get)
             # Trainers that sent no gradients this step (paused, done, evicted, or at the
             # barrier with no batch) count as the mean of those that did, so the optimize
             # blocks' sum / trainers is the mean of the gradients that came.
-            for grad in ps.grad_block if missing else ():
+            for grad in waiting if missing else ():
                 mean = gradients.mean([ps.env[f"{grad}.trainer_{t}"] for t in sorted(contributors)])
                 for t in missing:
                     ps.env[f"{grad}.trainer_{t}"] = mean
-            if ps.lr_block is not None:
-                ps.lr_block.run(ps.env)
-            for block in sorted(ps.blocks):
-                ps.blocks[block].run(ps.env)
+            for grad in waiting:
+                self._apply(grad)
         self.completed += 1  # (a step nobody brought gradients to changes nothing)
         self.arrived.clear()
         self.sent -= contributors
+        self.senders.clear()
+        self.applied.clear()
 
 
 class AsyncStrategy(Strategy):

@@ -1,12 +1,19 @@
 """A trainer's side of a job: its connections to the pservers and its exchanges with them.
 
 The kernels of send / recv / the barriers call it (as fluidps.ops.runtime_api's
-TrainerChannel). Each call sends one message per pserver, all at once. Gradients
-and the fetch barrier are not waited for where they are sent: their
-acknowledgements are settled with the next call that needs an answer (the send
-barrier, the recv, close), so that a step costs a round trip per exchange, not per
-message. A pserver handles one trainer's messages in order, so the GET that
-follows a SEND sees it; an error in a SEND surfaces at that next call.
+TrainerChannel). A step costs each pserver as few round trips as the program allows:
+
+- Gradients are held per pserver until `bucket_bytes` of them are held (then they go,
+  without waiting, while backward goes on), or until the step's next exchange with
+  that pserver, which they ride along with.
+- The send barrier is not a message of its own: it rides on the step's last message
+  to each pserver, normally the GET of the parameters. So a sync step's last gradients,
+  its barrier and its GET are one SEND (barrier, names), answered with the parameters
+  once the step is applied: one round trip. The fetch barrier sends nothing (a
+  pserver needs no word that a trainer has its values); it only flushes what is held.
+- What was sent without waiting is acknowledged with the next exchange that waits
+  (a pserver handles one trainer's messages in order, so that exchange sees it); an
+  error in it surfaces there. Held messages go at the end of a step at the latest.
 
 It also keeps what async mode keeps between steps (the gradients summed for
 `send_interval`, the values pulled for `recv_interval`), so that preparing the
@@ -28,6 +35,7 @@ from fluidps.executor.transport.rpc import RpcClient, wait_all
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.ops.runtime_api import Prefetch, Pull, Push
+from fluidps.ops.selected_rows import SelectedRows
 from fluidps.profiling import Profile
 
 
@@ -48,6 +56,8 @@ class TrainerClient:
         self._clients: dict[str, RpcClient] = {}
         self._keepalive: Keepalive | None = None
         self._unsettled: list[tuple[RpcClient, int]] = []  # requests sent without waiting
+        self._held: dict[str, Message] = {}  # per pserver: gradients (and the barrier) not sent yet
+        self._held_bytes: dict[str, int] = {}
         self._sums: dict[tuple, GradientSum] = {}  # async send_interval: gradients not yet sent
         self._barrier_endpoints: tuple[str, ...] = ()  # sync: the pservers a step's barrier goes to
         self._downloaded: dict[tuple, list[Any]] = {}  # async recv_interval: the last values pulled
@@ -71,14 +81,22 @@ class TrainerClient:
         return self._clients[endpoint]
 
     def begin_step(self) -> None:
+        """A step starts: what the last one sent without waiting is acknowledged first, so
+        that at most a step's worth of messages is ever unacknowledged."""
+        self.settle()
         self.step += 1
+
+    def end_step(self) -> None:
+        """The step's program is done: what it still holds goes now (not waited for)."""
+        self._flush()
 
     # -- what the kernels call ----------------------------------------------------------------
 
-    def send(self, items: Sequence[Push], trainer_id: int, every: int = 1) -> None:
-        """Push (endpoint, name, value) gradients, one message per pserver, without
-        waiting (at most one step's worth is unacknowledged at a time). With every=n,
-        the mean of the gradients of n calls is pushed at every n-th call."""
+    def send(self, items: Sequence[Push], trainer_id: int, every: int = 1, bucket_bytes: int = 0) -> None:
+        """Push (endpoint, name, value) gradients without waiting. They are held per pserver
+        until `bucket_bytes` are (0: none are held), or until the step's next exchange with
+        that pserver. With every=n, the mean of the gradients of n calls is pushed at
+        every n-th call."""
         if every > 1:
             key = tuple((endpoint, name) for endpoint, name, _ in items)
             total = self._sums.setdefault(key, GradientSum(trainer_id, key))
@@ -86,11 +104,21 @@ class TrainerClient:
             if total.count < every:
                 return
             items = total.take_mean()
-        self._push(items, trainer_id)
+        self._push(items, trainer_id, bucket_bytes)
+
+    def _push(self, items: Sequence[Push], trainer_id: int, bucket_bytes: int = 0) -> None:
+        for endpoint, name, value in items:
+            msg = self._hold(endpoint, trainer_id)
+            if name in msg.tensors:
+                raise TransportError(f"gradient {name!r} sent twice to pserver {endpoint} in one step")
+            msg.tensors[name] = value
+            self._held_bytes[endpoint] += _nbytes(value)
+        self._flush([ep for ep, n in self._held_bytes.items() if n >= bucket_bytes])
 
     def get(self, items: Sequence[Pull], trainer_id: int, every: int = 1) -> list[Any]:
         """Pull (endpoint, name) values after this trainer's current step; with every=m,
-        only at steps that are multiples of m (and the first time), the last ones otherwise."""
+        only at steps that are multiples of m (and the first time), the last ones otherwise.
+        To a pserver holding gradients or a barrier of this step, the GET rides on them."""
         key = tuple(items)
         if every > 1 and key in self._downloaded and self.step % every:
             return self._downloaded[key]
@@ -108,6 +136,7 @@ class TrainerClient:
             if name in msg.tensors:
                 raise TransportError(f"rows of {name!r} asked twice from pserver {endpoint} in one prefetch")
             msg.tensors[name] = rows
+        self._flush([ep for ep in requests if ep in self._held])  # ahead of the prefetch, in order
         replies = self._exchange(requests, trainer_id, wait=True)
         out = []
         for endpoint, name, rows in items:
@@ -122,13 +151,19 @@ class TrainerClient:
         return out
 
     def send_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
-        """Waits for the barrier and the sends before it: the pservers have the step's gradients."""
+        """This step's gradients are all sent: the barrier rides on the step's next message
+        to each pserver (its GET), which is answered once the step is applied."""
         self._barrier_endpoints = tuple(endpoints)
-        self._to_all(Kind.SEND_BARRIER, endpoints, trainer_id)
+        for endpoint in endpoints:
+            self._hold(endpoint, trainer_id).barrier = True
 
     def fetch_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
-        """Not waited for: settled with the next exchange."""
-        self._to_all(Kind.FETCH_BARRIER, endpoints, trainer_id, wait=False)
+        """Nothing to tell: what is still held goes now, not waited for. Every pserver of
+        the job is known from here on (a trainer's startup ends with this barrier), so
+        that each is told when this trainer is done, even one it never sent a message."""
+        for endpoint in endpoints:
+            self.client(endpoint, trainer_id)
+        self._flush()
 
     # -- what an executor server and readers call ---------------------------------------------
 
@@ -138,6 +173,7 @@ class TrainerClient:
         the others' gradients; otherwise an empty SEND moves its clock (SSP) with theirs."""
         if self._barrier_endpoints:
             self.send_barrier(self._barrier_endpoints, self.trainer_id)
+            self._flush()
         else:
             self._to_all(Kind.SEND, list(self._clients), self.trainer_id)
 
@@ -147,13 +183,34 @@ class TrainerClient:
         self._to_all(Kind.PAUSE, list(self._clients), self.trainer_id)
 
     def settle(self) -> None:
-        """Wait for the acknowledgements of what was sent without waiting."""
+        """Send what is held, and wait for the acknowledgements of what was sent without waiting."""
+        self._flush()
         pending, self._unsettled = self._unsettled, []
         wait_all(dict(enumerate(pending)))
 
     # -- inside --------------------------------------------------------------------------------
 
+    def _hold(self, endpoint: str, trainer_id: int) -> Message:
+        """The message of this step held for `endpoint`: a SEND, gradients and barrier to come."""
+        if endpoint not in self._held:
+            self._held[endpoint] = Message(Kind.SEND, trainer_id=trainer_id, step=self.step)
+            self._held_bytes[endpoint] = 0
+        return self._held[endpoint]
+
+    def _flush(self, endpoints: Sequence[str] | None = None) -> None:
+        """Send what is held for `endpoints` (None: for every pserver), not waited for."""
+        endpoints = list(self._held) if endpoints is None else endpoints
+        requests = {ep: self._held.pop(ep) for ep in endpoints}
+        for endpoint in endpoints:
+            del self._held_bytes[endpoint]
+        if requests:
+            self._exchange(requests, next(iter(requests.values())).trainer_id, wait=False)
+
     def _exchange(self, requests: dict[str, Message], trainer_id: int, wait: bool) -> dict[str, Message]:
+        """Send `requests` (one per pserver); with `wait`, what was held for other pservers
+        goes too, and the replies come back once those and every earlier request are in."""
+        if wait:
+            self._flush([ep for ep in self._held if ep not in requests])
         issued = {}
         for endpoint, msg in requests.items():
             client = self.client(endpoint, trainer_id)
@@ -166,19 +223,15 @@ class TrainerClient:
         replies = wait_all({**settle, **issued})
         return {endpoint: replies[endpoint] for endpoint in issued}
 
-    def _push(self, items: Sequence[Push], trainer_id: int) -> None:
-        self.settle()
-        requests: dict[str, Message] = {}
-        for endpoint, name, value in items:
-            msg = requests.setdefault(endpoint, Message(Kind.SEND, trainer_id=trainer_id, step=self.step))
-            msg.tensors[name] = value
-        self._exchange(requests, trainer_id, wait=False)
-
     def _pull(self, items: Sequence[Pull], trainer_id: int) -> list[Any]:
         requests: dict[str, Message] = {}
         for endpoint, name in items:
-            msg = requests.setdefault(endpoint, Message(Kind.GET, trainer_id=trainer_id, step=self.step))
-            msg.names.append(name)
+            if endpoint not in requests:
+                # What is held for this pserver (gradients, the barrier) carries the GET.
+                held = self._held.pop(endpoint, None)
+                self._held_bytes.pop(endpoint, None)
+                requests[endpoint] = held or Message(Kind.GET, trainer_id=trainer_id, step=self.step)
+            requests[endpoint].names.append(name)
         replies = self._exchange(requests, trainer_id, wait=True)
         out = []
         for endpoint, name in items:
@@ -229,8 +282,16 @@ class TrainerClient:
                 problems.append(f"{endpoint}: {e}")
         for client in self._clients.values():
             client.close()
+        self._held.clear()
+        self._held_bytes.clear()
         self._clients.clear()
         if self._keepalive is not None:
             self._keepalive.close()
             self._keepalive = None
         return problems
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, SelectedRows):
+        return value.rows.nbytes + value.value.nbytes
+    return int(getattr(value, "nbytes", 0))

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -125,8 +125,12 @@ class Cluster:
     def call_all(self, requests: Mapping[RpcClient, Message], timeout: float | None = None) -> dict:
         """Send every request, then wait for all replies. A failure names the server,
         with the end of its log when its process died."""
+        return self.wait_all({c: (c, c.request(m)) for c, m in requests.items()}, timeout)
+
+    def wait_all(self, pending: Mapping[Any, tuple[RpcClient, int]], timeout: float | None = None) -> dict:
+        """Wait for requests already sent ({key: (client, request id)}), as call_all does."""
         try:
-            return wait_all({c: (c, c.request(m)) for c, m in requests.items()}, timeout)
+            return wait_all(dict(pending), timeout)
         except TransportError as e:
             raise type(e)(f"{e}{self.death_notes()}") from None
 

@@ -3,17 +3,24 @@
 A RemoteExecutor (or any client) LOADs programs under names, RUNs them with
 feeds and gets fetches back, STARTs one in the background (a pserver's
 listen_and_serv loop), GETs and SETs values of its scope, asks its STATUS,
-and finally SHUTs it DOWN. Runs
-execute on a worker thread so that the serving loop keeps answering
-heartbeats while a step (or the first numba compilation) takes its time.
+and finally SHUTs it DOWN.
+
+Runs execute in order on one worker thread, so that the serving loop keeps
+answering heartbeats while a step (or the first numba compilation) takes its
+time. A client may send the next RUNs before the current one is answered (a
+RemoteExecutor prefetching fed batches): they wait in a queue, and the worker
+goes from one to the next without a round trip to the client. Once a run fails,
+the runs queued behind it are answered with that failure, not run.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import traceback
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -31,11 +38,9 @@ REFRESH = "refresh"
 
 
 @dataclass
-class _Job:
+class _Finished:
     request: Request
-    thread: threading.Thread
-    result: dict[str, Any] = field(default_factory=dict)
-    done: threading.Event = field(default_factory=threading.Event)
+    result: dict[str, Any]  # "values" and "samples", or "no_task", or "error"
 
 
 class ExecutorServer:
@@ -47,8 +52,11 @@ class ExecutorServer:
         self.programs: dict[str, Program] = {}
         self._context = zmq.Context()
         self.server = RpcServer(self._context, endpoint, self.name, self.settings)
-        self._job: _Job | None = None
-        self._waiting: list[Request] = []
+        self._runs: queue.Queue[Request | None] = queue.Queue()  # RUNs for the worker (None: stop)
+        self._finished: deque[_Finished] = deque()  # the worker's results, for the loop to answer
+        self._unanswered = 0  # RUNs received and not answered yet
+        self._most_unanswered = 0  # the most RUNs it ever held at once (a client's prefetch)
+        self._stale = False  # values changed on the pservers: pull them before the next run
         self._background: threading.Thread | None = None
         self._background_error: str | None = None
         self._running = True
@@ -57,13 +65,15 @@ class ExecutorServer:
         self._wake_address = f"inproc://wake-{id(self):x}"
         self._wake = self._context.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
+        self._worker = threading.Thread(target=self._work, name="run", daemon=True)
+        self._worker.start()
 
     def serve_forever(self) -> None:
         try:
             while self._running:
                 for request in self.server.receive(0.5, wake=self._wake):
                     self._handle(request)
-                self._finish_job()
+                self._answer_finished()
         finally:
             self.close()
 
@@ -80,7 +90,8 @@ class ExecutorServer:
         """Tell the pservers this trainer is done and stop serving. A background
         program still running (a pserver whose trainers never finished) is
         abandoned: its sockets stay open, so the runtime is not closed under it."""
-        busy = [t for t in (self._background, self._job and self._job.thread) if t is not None]
+        self._runs.put(None)  # the worker stops after the runs queued before this
+        busy = [t for t in (self._background, self._worker) if t is not None]
         if self._background is not None and self._background.is_alive() and self.exe.has_runtime:
             self.exe.runtime.pserver.stop("shutdown")  # pserver loops still serving: save, then end
         for thread in busy:
@@ -93,7 +104,8 @@ class ExecutorServer:
                 print(f"{self.name}: on shutdown: {'; '.join(problems)}", flush=True)
         self.server.close()
         self._wake.close(linger=0)
-        self._context.term()
+        if not self._worker.is_alive():  # else its wake socket is open: term() would wait for it
+            self._context.term()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -112,18 +124,18 @@ class ExecutorServer:
                 self.server.reply(request)
             elif msg.kind == Kind.RUN:
                 self._program(msg.text)
-                self._waiting.append(request)
-                self._start_job()
+                self._unanswered += 1
+                self._most_unanswered = max(self._most_unanswered, self._unanswered)
+                self._runs.put(request)
             elif msg.kind == Kind.START:
                 self._start_background(self._program(msg.text))
                 self.server.reply(request)
-            elif msg.kind in (Kind.GET, Kind.SET) and self._job is not None:
+            elif msg.kind in (Kind.GET, Kind.SET) and self._unanswered:
                 raise Error("is running a program; get and set values between runs")
             elif msg.kind == Kind.GET:
                 self.server.reply(request, Message(Kind.VALUES, tensors=self._get(msg.names)))
             elif msg.kind == Kind.SET:
-                for name, value in msg.tensors.items():
-                    self.exe.scope[name] = value
+                self._set(msg)
                 self.server.reply(request)
             elif msg.kind == Kind.STATUS:
                 self.server.reply(request, Message(Kind.VALUES, text=json.dumps(self._status())))
@@ -155,7 +167,7 @@ class ExecutorServer:
 
     def _reset(self) -> None:
         """Forget the job so that the next client starts afresh."""
-        if self._job is not None or self._waiting:
+        if self._unanswered:
             raise Error("is running a program; reset once it is done")
         if self._background is not None:
             self._background.join(timeout=self.settings.peer_timeout)
@@ -166,7 +178,20 @@ class ExecutorServer:
             print(f"{self.name}: on reset: {'; '.join(problems)}", flush=True)
         self.exe = Executor(runtime_config=self.config)
         self.programs.clear()
+        self._stale = False
         self._background, self._background_error = None, None
+
+    def _set(self, msg: Message) -> None:
+        """Values to write, and names of values the pservers now hold anew: those are
+        pulled (the REFRESH program) before the next run."""
+        if msg.names and REFRESH not in self.programs:
+            raise Error(f"cannot pull {msg.names[0]!r} anew: no {REFRESH!r} program was loaded")
+        unknown = [n for n in msg.names if n not in self.exe.scope]
+        if unknown:
+            raise Error(f"its scope holds no variable {', '.join(map(repr, unknown))}")
+        for name, value in msg.tensors.items():
+            self.exe.scope[name] = value
+        self._stale = self._stale or bool(msg.names)
 
     def _get(self, names: list[str]) -> dict[str, Any]:
         missing = [n for n in names if n not in self.exe.scope]
@@ -187,71 +212,84 @@ class ExecutorServer:
             "programs": sorted(self.programs),
             "pservers": servers,
             "rss_bytes": resident_bytes(),
+            "most_runs_held": self._most_unanswered,
             **({"profile": runtime.profile.report()} if runtime is not None and runtime.profile else {}),
         }
 
     # -- runs on a worker thread ---------------------------------------------------------------
 
-    def _start_job(self) -> None:
-        if self._job is not None or not self._waiting:
-            return
-        request = self._waiting.pop(0)
-        job = _Job(request, threading.Thread(target=lambda: None))
+    def _work(self) -> None:
+        """The worker thread: runs the RUNs in order, hands each result to the loop."""
+        with self._context.socket(zmq.PUSH) as wake:
+            wake.setsockopt(zmq.LINGER, 0)
+            wake.connect(self._wake_address)
+            while (request := self._runs.get()) is not None:
+                result = self._execute(request.msg)
+                self._finished.append(_Finished(request, result))
+                if "error" in result:  # what was queued behind a failed run is not run
+                    while (later := self._queued()) is not None:
+                        failure = f"not run: an earlier run failed: {result['error']}"
+                        self._finished.append(_Finished(later, {"error": failure}))
+                wake.send(b"")
 
-        def work() -> None:
-            msg = request.msg
-            try:
-                values = self.exe.run(self.programs[msg.text], feed=msg.tensors, fetch_list=msg.names)
-                job.result["values"] = dict(zip(msg.names, values, strict=True))
-                runtime = self.exe.runtime if self.exe.has_runtime else None
-                readers = runtime.readers if runtime is not None and runtime.has_readers else None
-                job.result["samples"] = readers.samples_read() if readers is not None else None
-            except NoDataYet:
-                # No batch for this trainer now: it takes part in the step without gradients
-                # (nobody waits for it) and pulls the parameters as the others do.
-                self.exe.runtime.trainer.skip_step()
-                if REFRESH in self.programs:
-                    self.exe.run(self.programs[REFRESH])
-                job.result["no_task"] = "wait"
-            except EOFException:
-                # Done reading: no barrier or SSP bound of a trainer still in its last step may
-                # wait for this one. It pauses (the pservers keep serving the client, who may
-                # read the trained values) and says it is done when the job closes.
-                self.exe.runtime.trainer.pause()
-                job.result["no_task"] = "finished"
-            except Error as e:
-                job.result["error"] = str(e)
-            except Exception as e:  # a bug: report it with its trace rather than die silently
-                job.result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            finally:
-                job.done.set()
-                self._wake_loop()
+    def _queued(self) -> Request | None:
+        """The next RUN already queued, if any (a stop request stays queued)."""
+        try:
+            request = self._runs.get_nowait()
+        except queue.Empty:
+            return None
+        if request is None:
+            self._runs.put(None)
+        return request
 
-        job.thread = threading.Thread(target=work, name="run", daemon=True)
-        self._job = job
-        job.thread.start()
+    def _execute(self, msg: Message) -> dict[str, Any]:
+        """Run a RUN's program: its fetches, "no_task" for a reader with no batch, or the error."""
+        try:
+            return self._run(msg)
+        except Error as e:
+            return {"error": str(e)}
+        except Exception as e:  # a bug: report it with its trace rather than die silently
+            return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
-    def _finish_job(self) -> None:
-        job = self._job
-        if job is None or not job.done.is_set():
-            return
-        self._job = None
-        if "error" in job.result:
-            self.server.error(job.request, f"{self.name}: {job.result['error']}")
-        elif "no_task" in job.result:  # a reader with nothing for this step, or done for good
-            self.server.reply(job.request, Message(Kind.NO_TASK, text=job.result["no_task"]))
-        else:
-            samples = job.result.get("samples")
-            text = json.dumps({"samples": samples}) if samples is not None else ""
-            self.server.reply(job.request, Message(Kind.VALUES, tensors=job.result["values"], text=text))
-        self._start_job()
+    def _run(self, msg: Message) -> dict[str, Any]:
+        if self._stale and msg.text != REFRESH:
+            self.exe.run(self.programs[REFRESH])
+            self._stale = False
+        try:
+            values = self.exe.run(self.programs[msg.text], feed=msg.tensors, fetch_list=msg.names)
+        except NoDataYet:
+            # No batch for this trainer now: it takes part in the step without gradients
+            # (nobody waits for it) and pulls the parameters as the others do.
+            self.exe.runtime.trainer.skip_step()
+            if REFRESH in self.programs:
+                self.exe.run(self.programs[REFRESH])
+            return {"no_task": "wait"}
+        except EOFException:
+            # Done reading: no barrier or SSP bound of a trainer still in its last step may
+            # wait for this one. It pauses (the pservers keep serving the client, who may
+            # read the trained values) and says it is done when the job closes.
+            self.exe.runtime.trainer.pause()
+            return {"no_task": "finished"}
+        runtime = self.exe.runtime if self.exe.has_runtime else None
+        readers = runtime.readers if runtime is not None and runtime.has_readers else None
+        return {
+            "values": dict(zip(msg.names, values, strict=True)),
+            "samples": readers.samples_read() if readers is not None else None,
+        }
 
-    def _wake_loop(self) -> None:
-        """Called on a worker thread when it is done (sockets are per thread)."""
-        with self._context.socket(zmq.PUSH) as push:
-            push.setsockopt(zmq.LINGER, 1000)
-            push.connect(self._wake_address)
-            push.send(b"")
+    def _answer_finished(self) -> None:
+        while self._finished:
+            done = self._finished.popleft()
+            self._unanswered -= 1
+            result = done.result
+            if "error" in result:
+                self.server.error(done.request, f"{self.name}: {result['error']}")
+            elif "no_task" in result:  # a reader with nothing for this step, or done for good
+                self.server.reply(done.request, Message(Kind.NO_TASK, text=result["no_task"]))
+            else:
+                samples = result.get("samples")
+                text = json.dumps({"samples": samples}) if samples is not None else ""
+                self.server.reply(done.request, Message(Kind.VALUES, tensors=result["values"], text=text))
 
     def _start_background(self, program: Program) -> None:
         if self._background is not None and self._background.is_alive():

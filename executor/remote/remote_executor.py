@@ -4,6 +4,9 @@
         exe.run(startup)
         for x, y in batches:
             (loss,) = exe.run(main, feed={"x": x, "y": y}, fetch_list=[loss])
+        # or, sending each batch while the steps before it run (JobDesc.prefetch_batches):
+        for (loss,) in exe.run_batches(main, ({"x": x, "y": y} for x, y in batches), [loss]):
+            ...
 
 Programs without optimizer ops (the startup program, a test program) run in
 the client against the job's values (`exe.scope`). The first program with
@@ -15,7 +18,10 @@ and the trainers pull them. Each later run of that program is one step:
 the fed batch is split along dim 0 across the trainers, which run
 concurrently; a scalar fetch comes back as the batch-weighted mean over
 trainers, a per-example fetch (leading dim -1) concatenated, anything else
-as trainer 0 computed it.
+as trainer 0 computed it. `run_batches` runs a sequence of fed batches the
+same way, step after step with the same results, but keeps up to
+`prefetch_batches` steps in flight: each trainer goes from one step to the next
+without waiting for this client, which only collects the fetches.
 
 A training program with a dataset reader (layers.dataset_reader) is not fed:
 deploying it also starts a coordinator, and each run is a step of every
@@ -31,7 +37,8 @@ import contextlib
 import json
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -69,7 +76,9 @@ class JobDesc:
     `trainer_servers`, and the endpoints the pserver loops should listen on in
     `pserver_endpoints`. `mode` overrides `config.mode`. `profile`: the servers it
     starts record where their time goes (`fluidps serve --profile`), and so does this
-    client; RemoteExecutor.profile() collects it.
+    client; RemoteExecutor.profile() collects it. `prefetch_batches`: how many steps
+    RemoteExecutor.run_batches keeps in flight (1: a step is sent once the one before
+    it is answered).
     """
 
     pservers: int = 1
@@ -86,10 +95,15 @@ class JobDesc:
     start_timeout: float = 120.0
     log_dir: str | None = None
     profile: bool = False  # every process records where its time goes: exe.profile()
+    prefetch_batches: int = 2  # steps run_batches keeps in flight
 
     def __post_init__(self) -> None:
         if self.pservers < 1 or self.trainers < 1:
             raise BuilderError(f"a job needs at least one pserver and one trainer, got {self}")
+        if self.prefetch_batches < 1:
+            raise BuilderError(
+                f"prefetch_batches must be >= 1 (1: no batch is sent ahead), got {self.prefetch_batches}"
+            )
         for field_name, count, given in (
             ("pserver_servers", self.pservers, self.pserver_servers),
             ("trainer_servers", self.trainers, self.trainer_servers),
@@ -114,6 +128,15 @@ class JobDesc:
     def rpc_settings(self) -> RpcSettings:
         security = Security.from_dir(self.keys_dir) if self.keys_dir else None
         return RpcSettings(peer_timeout=self.peer_timeout, security=security, insecure=self.insecure)
+
+
+@dataclass
+class _Flight:
+    """A step sent to the trainers and not collected yet."""
+
+    requests: dict[RpcClient, tuple[RpcClient, int]]  # trainer -> (its client, the RUN's id)
+    sizes: list[int]  # each trainer's share of the batch
+    started: float  # perf_counter when it was sent
 
 
 @dataclass
@@ -223,25 +246,104 @@ class RemoteExecutor:
             tables[table] = local
         return tables
 
-    def _train(self, program: Program, feed: dict[str, Any], fetch_names: list[str]) -> list[Any]:
+    def run_batches(
+        self,
+        program: Program,
+        batches: Iterable[Mapping[str, Any]],
+        fetch_list: Sequence[FetchTarget] | None = None,
+    ) -> Iterator[list[Any]]:
+        """Train `program` on each fed batch in turn, as run() would, yielding each step's
+        fetches in order. Up to JobDesc.prefetch_batches steps are in flight: the next
+        batches go to the trainers while the current step runs, so a trainer starts its
+        next step at once. The steps, and in sync mode their results, are those of
+        calling run() on each batch. Leaving the loop early waits for the steps already
+        sent; a failed step fails the job, as in run()."""
+        fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
+        if not _trains(program):
+            raise ExecutionError(
+                "run_batches trains: give it a program with optimizer ops (run() runs others)"
+            )
+        in_flight: deque[_Flight] = deque()
+        try:
+            for feed in batches:
+                d = self._training_deployment(program)
+                if d is None or d.reads:  # deploys with this batch, or reads a dataset: one at a time
+                    yield self.run(program, feed=feed, fetch_list=fetch_names)
+                    continue
+                in_flight.append(self._send_step(d, program, dict(feed), fetch_names))
+                if len(in_flight) >= self.job.prefetch_batches:
+                    yield self._collect(d, program, in_flight.popleft(), fetch_names)
+            while in_flight:
+                yield self._collect(self._deployment, program, in_flight.popleft(), fetch_names)
+        finally:
+            self._abandon(in_flight)
+
+    def _training_deployment(self, program: Program) -> Deployment | None:
+        """The job training `program` (None: not deployed yet); checks it can go on."""
+        if not self._finalizer.alive:
+            raise ExecutionError("this RemoteExecutor is closed")
+        if self._failed is not None:
+            raise ExecutionError(f"the job failed earlier and cannot go on: {self._failed}")
         d = self._deployment
-        if d is None:
-            d = self._deploy(program)
-        elif program is not d.program:
+        if d is not None and program is not d.program:
             raise UnsupportedError(
                 "this job already trains another program; one RemoteExecutor runs one training program"
             )
-        checked = self._local.prepare(program, feed.keys(), fetch_names).check_feeds(feed)
+        return d
+
+    def _train(self, program: Program, feed: dict[str, Any], fetch_names: list[str]) -> list[Any]:
+        d = self._training_deployment(program)
+        if d is None:
+            d = self._deploy(program)
         if d.reads:
+            checked = self._local.prepare(program, feed.keys(), fetch_names).check_feeds(feed)
             return self._read_step(program, d, checked, fetch_names)
+        return self._collect(d, program, self._send_step(d, program, feed, fetch_names), fetch_names)
+
+    def _send_step(
+        self, d: Deployment, program: Program, feed: dict[str, Any], fetch_names: list[str]
+    ) -> _Flight:
+        """Check a fed batch, split it across the trainers and send it as their next step."""
+        checked = self._local.prepare(program, feed.keys(), fetch_names).check_feeds(feed)
         parts = _split_feed(checked, len(d.trainers))
         if self._profile is not None:
             self._profile.step()
-        with self._profile.span("client step") if self._profile else contextlib.nullcontext():
-            replies = self._step(d, dict(zip(d.trainers, parts, strict=True)), fetch_names)
-        sizes = [_batch_size(part) for part in parts]
+        self.scope.invalidate()
+        started = time.perf_counter()
+        flight = _Flight({}, [_batch_size(part) for part in parts], started)
+        for trainer, part in zip(d.trainers, parts, strict=True):
+            msg = Message(Kind.RUN, text="trainer", tensors=part, names=fetch_names)
+            flight.requests[trainer] = (trainer, trainer.request(msg))
+        return flight
+
+    def _collect(self, d: Deployment, program: Program, flight: _Flight, fetch_names: list[str]) -> list[Any]:
+        """Wait for a step sent by _send_step; its fetches combined over the trainers."""
+        try:
+            replies = self._cluster.wait_all(flight.requests)
+        except Error as e:
+            self._failed = f"step {d.steps + 1}: {e}"
+            raise ExecutionError(f"the job failed at step {d.steps + 1}: {e}") from None
+        finally:
+            if self._profile is not None:
+                self._profile.add("client step", time.perf_counter() - flight.started)
+        d.steps += 1
         values = [[replies[t].tensors[n] for n in fetch_names] for t in d.trainers]
-        return [_combine(program, name, [v[k] for v in values], sizes) for k, name in enumerate(fetch_names)]
+        return [
+            _combine(program, name, [v[k] for v in values], flight.sizes)
+            for k, name in enumerate(fetch_names)
+        ]
+
+    def _abandon(self, in_flight: deque[_Flight]) -> None:
+        """Steps sent but no longer wanted (the loop was left, or a step failed): a job still
+        healthy waits for them, so that what follows sees every step that was sent."""
+        while in_flight:
+            flight = in_flight.popleft()
+            if self._failed is None:
+                with contextlib.suppress(ExecutionError):
+                    self._collect(self._deployment, self._deployment.program, flight, [])
+            else:
+                for client, rid in flight.requests.values():
+                    client.forget(rid)
 
     def _step(self, d: Deployment, feeds: dict[RpcClient, dict], fetch_names: list[str]) -> dict:
         """One step on the given trainers, concurrently; a failure fails the job."""
@@ -352,12 +454,15 @@ class RemoteExecutor:
                     "tables empty (or from its checkpoints): run the startup program again before training"
                 )
             if not resumed:
-                self.scope.scatter({n: v for n in placed if _is_value(v := staged.find(n))})
+                # The trainers' startup programs pull them next.
+                values = {n: v for n in placed if _is_value(v := staged.find(n))}
+                self.scope.scatter(values, trainers_pull=False)
             for s, p in zip(trainers, plans, strict=True):
                 self._cluster.call_all({s.client: _load("startup", p.trainer_startup)})
                 self._cluster.call_all({s.client: _load("trainer", p.trainer_program)})
-                if reads:  # a trainer skipping a step (no batch) pulls the parameters with it
-                    self._cluster.call_all({s.client: _load(REFRESH, _without_readers(p.trainer_startup))})
+                # What a trainer runs to pull the parameters anew: after exe.scope changed them on the
+                # pservers, or after skipping a step (no batch of a dataset's tasks).
+                self._cluster.call_all({s.client: _load(REFRESH, _without_readers(p.trainer_startup))})
             self._cluster.call_all({t.client: Message(Kind.RUN, text="startup") for t in trainers})
             own = {n: v for n in trainer_vars - placed if _is_value(v := staged.find(n))}  # not readers
             if own:

@@ -3,8 +3,9 @@
 Before the job is deployed the values live in the client (the startup
 program ran here, saved values were loaded here) and the job starts from
 them. Once deployed, a variable the plan placed on pservers is gathered from
-its slices (rows concatenated by offset) and scattered back to them; the
-trainers' copies are replaced too, so the next step uses what was set.
+its slices (rows concatenated by offset) and scattered back to them, once: the
+trainers are only told which of their copies are stale, and pull those from the
+pservers before their next step (so the next step uses what was set).
 Variables only trainers hold (not placed) are read from trainer 0 and
 written to every trainer. Gathered values are cached until the next step
 or write, so an evaluation loop reads the parameters once.
@@ -129,8 +130,10 @@ class RemoteScope:
                 out[name] = np.concatenate([replies[p.endpoint].tensors[p.remote] for p in pieces])
         return out
 
-    def scatter(self, values: dict[str, Value]) -> None:
-        """Write values into the job: their slices to the pservers, copies to the trainers."""
+    def scatter(self, values: dict[str, Value], trainers_pull: bool = True) -> None:
+        """Write values into the job: their slices to the pservers (the trainers holding a
+        copy pull it before their next step; `trainers_pull=False`: they are about to pull
+        everything anyway), what only trainers hold to every trainer."""
         d = self.deployment
         if d is None:
             for name, value in values.items():
@@ -138,6 +141,7 @@ class RemoteScope:
             return
         per_pserver: dict[str, dict[str, Value]] = defaultdict(dict)
         to_trainers: dict[str, Value] = {}
+        stale: list[str] = []  # trainers' copies of what the pservers now hold anew
         for name, value in values.items():
             placed = d.plan.placement_of(name)
             if not placed and name not in d.trainer_persistables:
@@ -158,14 +162,18 @@ class RemoteScope:
                         value[p.offset : p.offset + p.rows]
                     )
             if name in d.trainer_persistables:
-                to_trainers[name] = value
+                if placed:
+                    stale += [name] if trainers_pull else []
+                else:
+                    to_trainers[name] = value
         pending: dict[Any, tuple[Any, int]] = {
             ep: (d.pservers[ep], d.pservers[ep].request(Message(Kind.SET, tensors=tensors)))
             for ep, tensors in per_pserver.items()
         }
-        if to_trainers:
+        if to_trainers or stale:
             for i, trainer in enumerate(d.trainers):
-                pending[i] = (trainer, trainer.request(Message(Kind.SET, tensors=to_trainers)))
+                message = Message(Kind.SET, tensors=to_trainers, names=stale)
+                pending[i] = (trainer, trainer.request(message))
         self._cache.clear()
         wait_all(pending)
 

@@ -59,6 +59,7 @@ class Message:
     blobs: list[bytes] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
     sender: int = 0  # the sending process's incarnation (0: not said)
+    barrier: bool = False  # SEND: also the trainer's send barrier of its step
 
     @property
     def kind_name(self) -> str:
@@ -92,6 +93,7 @@ def encode(msg: Message) -> list[Any]:
     header = pb.Header(kind=msg.kind, request_id=msg.request_id, trainer_id=msg.trainer_id, step=msg.step)
     header.incarnation = msg.incarnation
     header.sender = msg.sender
+    header.barrier = msg.barrier
     frames: list[Any] = []
     for name, value in msg.tensors.items():
         meta = header.tensors.add(name=name)
@@ -171,6 +173,7 @@ def decode(frames: list[Any]) -> Message:
         blobs=blobs,
         pending=list(header.pending),
         sender=header.sender,
+        barrier=header.barrier,
     )
 
 

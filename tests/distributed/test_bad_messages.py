@@ -296,3 +296,40 @@ def test_serve_with_an_invalid_max_message_bytes_exits_naming_it(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "FLUIDPS_MAX_MESSAGE_BYTES='abc' is invalid" in done.stderr
     assert READY not in done.stdout
+
+
+def test_a_gradient_sent_again_in_a_step_counts_once(tmp_path):
+    """A sync pserver applies a slice once every trainer's gradient of it is in. The same
+    gradient again in that step (a retried request, or a new one: a restarted trainer
+    redoing its step) is dropped, with a log line, not applied twice or mixed into the
+    next step."""
+    grads = {
+        "fc_0.w_0@GRAD": np.full((8, 16), 0.5, np.float32),
+        "fc_0.b_0@GRAD": np.full(16, 0.25, np.float32),
+        "fc_1.w_0@GRAD": np.full((16, 3), -1.0, np.float32),
+        "fc_1.b_0@GRAD": np.full(3, 2.0, np.float32),
+    }
+    params = [g.removesuffix("@GRAD") for g in grads]
+    context = zmq.Context()
+    try:
+        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+            sock.send_multipart(encode(Message(Kind.GET, names=params, request_id=1)))  # an observer
+            before = _answer(sock)
+            assert before is not None and before.kind == Kind.VALUES
+            first = Message(Kind.SEND, tensors=grads, trainer_id=0, step=1, request_id=2)
+            for request_id in (2, 3):  # 2: the same request retried; 3: the same gradients anew
+                sock.send_multipart(encode(Message(**{**vars(first), "request_id": request_id})))
+            step = Message(Kind.SEND, names=params, barrier=True, trainer_id=0, step=1, request_id=4)
+            sock.send_multipart(encode(step))
+            replies = [_answer(sock) for _ in range(3)]
+            assert [(r.kind, r.request_id) for r in replies] == [(Kind.OK, 2), (Kind.OK, 3), (Kind.VALUES, 4)]
+            for name in params:  # SGD(0.2), each gradient once
+                want = before.tensors[name] - np.float32(0.2) * grads[f"{name}@GRAD"]
+                np.testing.assert_allclose(replies[2].tensors[name], want, rtol=1e-6, err_msg=name)
+            sock.send_multipart(encode(Message(Kind.STATS, request_id=5)))
+            stats = json.loads(_answer(sock).text)
+            assert stats["completed_steps"] == 1
+            dropped = [line for line in stats["log"] if "dropped" in line]
+            assert len(dropped) == len(grads) and all("trainer 0's" in line for line in dropped)
+    finally:
+        context.term()

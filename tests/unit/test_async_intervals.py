@@ -80,16 +80,21 @@ def copy_value(value: Any) -> Any:
 
 class Recorder:
     """Wraps what a trainer's client puts on the wire, gradients pushed and parameters
-    pulled: (step, items) of every exchange."""
+    pulled: (step, items) of every step's pushes and of every pull."""
 
     def __init__(self, runtime):
         self.sends: list[tuple[int, list[tuple[str, str, Any]]]] = []
         self.gets: list[tuple[int, list[tuple[str, str]], list[Any]]] = []
         push, pull = runtime._push, runtime._pull
 
-        def recording_push(items, trainer_id):
-            self.sends.append((runtime.step, [(ep, n, copy_value(v)) for ep, n, v in items]))
-            return push(items, trainer_id)
+        def recording_push(items, trainer_id, bucket_bytes=0):
+            # A send op per gradient: one step's pushes make one entry.
+            pushed = [(ep, n, copy_value(v)) for ep, n, v in items]
+            if self.sends and self.sends[-1][0] == runtime.step:
+                self.sends[-1][1].extend(pushed)
+            else:
+                self.sends.append((runtime.step, pushed))
+            return push(items, trainer_id, bucket_bytes)
 
         def recording_pull(items, trainer_id):
             values = pull(items, trainer_id)

@@ -87,6 +87,7 @@ class Job:
 
     def rows(self, name=TABLE) -> dict[int, np.ndarray]:
         """Every row of the table, from all its shards (a test's privilege)."""
+        self.servers.wait_serving()  # each shard restored (a pserver only the table lives on, too)
         out = {}
         for shard in self.shards(name):
             out |= rows_by_id(shard)

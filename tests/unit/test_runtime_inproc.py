@@ -208,9 +208,10 @@ def test_gradient_queue_wait_wakes_on_put_from_another_thread():
 
 
 class HoldingPserver:
-    """Holds SENDs and FETCH_BARRIERs unanswered until the trainer's next call that waits
-    (a SEND_BARRIER or a GET) arrives, then answers them all: a trainer that waited on
-    a SEND or a fetch barrier would hang there (and fail on its request timeout)."""
+    """Holds SENDs of gradients alone unanswered until the trainer's next message of another
+    kind (a SEND carrying a barrier or a GET, a GET, a COMPLETE) arrives, then answers them
+    all: a trainer that waited on its gradients would hang there (and fail on its request
+    timeout)."""
 
     def __init__(self, net: Net, endpoint: str, reject: str = ""):
         self.reject = reject
@@ -218,7 +219,7 @@ class HoldingPserver:
 
     def handle(self, request):
         msg = request.msg
-        if msg.kind in (Kind.SEND, Kind.FETCH_BARRIER):
+        if msg.kind == Kind.SEND and not (msg.names or msg.barrier):
             return None
         for held in self.harness.held:
             if self.reject and self.reject in held.msg.tensors:
@@ -226,12 +227,12 @@ class HoldingPserver:
             else:
                 self.harness.server.reply(held)
         self.harness.held.clear()
-        if msg.kind == Kind.GET:
+        if msg.names:
             return Message(Kind.VALUES, tensors={n: np.full(2, 7.0, np.float32) for n in msg.names})
         return Message(Kind.OK)
 
 
-def test_a_step_is_one_message_per_pserver_and_exchange(net):
+def test_a_step_is_one_message_per_pserver(net):
     eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     pservers = [HoldingPserver(net, ep) for ep in eps]
     runtime = Runtime(RuntimeConfig(rpc=SETTINGS))
@@ -239,26 +240,29 @@ def test_a_step_is_one_message_per_pserver_and_exchange(net):
     try:
         trainer.begin_step()
         grads = [(eps[i % 2], f"w{i}@GRAD", np.full(3, i, np.float32)) for i in range(4)]
-        trainer.send(grads, trainer_id=0)  # returns although no pserver has answered
-        trainer.send_barrier(eps, trainer_id=0)  # settles the sends
+        trainer.send(grads[:2], trainer_id=0, bucket_bytes=1 << 20)  # held: under the bucket size
+        trainer.send(grads[2:], trainer_id=0, bucket_bytes=1 << 20)
+        trainer.send_barrier(eps, trainer_id=0)  # held too: it rides on the GET
         values = trainer.get([(eps[i % 2], f"w{i}") for i in range(4)], trainer_id=0)
         assert [v.tolist() for v in values] == [[7.0, 7.0]] * 4
-        trainer.fetch_barrier(eps, trainer_id=0)  # not waited for here...
-        trainer.get([(eps[0], "w0"), (eps[1], "w1")], trainer_id=0)  # ...but with the next wait
+        trainer.fetch_barrier(eps, trainer_id=0)  # sends nothing
+        trainer.end_step()
         trainer.begin_step()
-        trainer.send(grads, trainer_id=0)
+        trainer.send(grads, trainer_id=0)  # bucket 0: at once, not waited for
         trainer.send_barrier(eps, trainer_id=0)
+        trainer.end_step()  # no GET this step: the barrier goes alone, not waited for
     finally:
-        assert runtime.close() == []
+        assert runtime.close() == []  # ...but the COMPLETE waits, after them
     for i, pserver in enumerate(pservers):
         delivered = pserver.harness.delivered
-        kinds = [Kind.Name(m.kind) for m in delivered]
-        # COMPLETE is answered at once by the handler's fall-through (OK).
-        last = ["SEND", "SEND_BARRIER", "COMPLETE"]
-        assert kinds == ["SEND", "SEND_BARRIER", "GET", "FETCH_BARRIER", "GET", *last]
-        assert sorted(delivered[0].tensors) == [f"w{j}@GRAD" for j in (i, i + 2)]  # one message, both
-        assert delivered[2].names == [f"w{j}" for j in (i, i + 2)]
-        assert [m.step for m in delivered[:4]] == [1, 1, 1, 1] and delivered[-2].step == 2
+        assert [Kind.Name(m.kind) for m in delivered] == ["SEND", "SEND", "SEND", "COMPLETE"]
+        step, grads_only, barrier_only = delivered[:3]
+        # Step 1: its gradients, its barrier and its GET are one message per pserver.
+        assert sorted(step.tensors) == [f"w{j}@GRAD" for j in (i, i + 2)]
+        assert step.barrier and step.names == [f"w{j}" for j in (i, i + 2)] and step.step == 1
+        assert sorted(grads_only.tensors) == sorted(step.tensors) and not grads_only.barrier
+        assert barrier_only.barrier and not barrier_only.tensors and not barrier_only.names
+        assert grads_only.step == barrier_only.step == 2
 
 
 def test_a_rejected_gradient_fails_the_next_wait_naming_the_pserver(net):
@@ -269,8 +273,9 @@ def test_a_rejected_gradient_fails_the_next_wait_naming_the_pserver(net):
     try:
         trainer.begin_step()
         trainer.send([(endpoint, "typo@GRAD", np.ones(2, np.float32))], trainer_id=0)
+        trainer.send_barrier([endpoint], trainer_id=0)
         with pytest.raises(RemoteError, match=rf"pserver {endpoint} .*owns no gradient named 'typo@GRAD'"):
-            trainer.send_barrier([endpoint], trainer_id=0)
+            trainer.get([(endpoint, "w")], trainer_id=0)
     finally:
         assert runtime.close() == []
 

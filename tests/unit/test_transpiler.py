@@ -74,16 +74,28 @@ def test_mlp_trainer_program(mode):
         "softmax_with_cross_entropy",
         "mean",
     ]
-    assert ops(trainer)[:15] == forward + BACKWARD_MLP
+    # Each gradient is sent right after the op that computes it, in backward order:
+    # fc_1's weight and bias while fc_0's gradients are still to come.
     # fc_0.w_0 [64, 256] (16384 values) is cut in two; fc_1.w_0 [256, 10] and the biases stay whole.
+    backward = [
+        "fill_constant", "mean_grad", "softmax_with_cross_entropy_grad",
+        "elementwise_add_grad", "send",  # fc_1.b_0@GRAD
+        "mul_grad", "send",  # fc_1.w_0@GRAD
+        "relu_grad", "elementwise_add_grad", "send",  # fc_0.b_0@GRAD
+        "mul_grad", "split_byref", "send",  # fc_0.w_0@GRAD, cut into its two blocks
+    ]  # fmt: skip
     barrier = mode == "sync"
-    tail = ["split_byref", "send"] + ["send_barrier"] * barrier + ["recv"] + ["fetch_barrier"] * barrier
-    assert ops(trainer)[15:] == [*tail, "concat"]
+    tail = ["send_barrier"] * barrier + ["recv"] + ["fetch_barrier"] * barrier + ["concat"]
+    assert ops(trainer) == forward + backward + tail
     assert "adam" not in ops(trainer) and "learning_rate_0" not in trainer.global_block().vars
-    # One send and one recv carry every slice, each to its owner.
-    split = next(op for op in trainer.global_block().ops if op.type == "split_byref")
+    block = trainer.global_block().ops
+    sends = [op for op in block if op.type == "send"]
+    for op in sends:  # each send follows the last op writing what it sends (or the split of it)
+        i = block.index(op)
+        written = set(block[i - 1].output_arg_names) | set(block[i - 2].output_arg_names)
+        assert set(op.input("X")) & written or block[i - 1].type == "send"
+    split = next(op for op in block if op.type == "split_byref")
     assert split.output("Out") == ["fc_0.w_0@GRAD.block0", "fc_0.w_0@GRAD.block1"]
-    send = next(op for op in trainer.global_block().ops if op.type == "send")
     grads = [
         "fc_0.w_0@GRAD.block0",
         "fc_0.w_0@GRAD.block1",
@@ -91,13 +103,18 @@ def test_mlp_trainer_program(mode):
         "fc_1.w_0@GRAD",
         "fc_1.b_0@GRAD",
     ]
-    assert sorted(send.input("X")) == sorted(send.attr("send_varnames")) == sorted(grads)
-    recv = next(op for op in trainer.global_block().ops if op.type == "recv")
+    sent = [n for op in sends for n in op.input("X")]
+    assert sorted(sent) == sorted(n for op in sends for n in op.attr("send_varnames")) == sorted(grads)
+    assert all(op.attr("bucket_bytes") == 256 * 1024 for op in sends)
+    # One recv carries every slice, each from its owner.
+    recv = next(op for op in block if op.type == "recv")
     params = ["fc_0.w_0.block0", "fc_0.w_0.block1", "fc_0.b_0", "fc_1.w_0", "fc_1.b_0"]
     assert sorted(recv.output("Out")) == sorted(recv.attr("recv_varnames")) == sorted(params)
     owner = dict(zip(recv.attr("recv_varnames"), recv.attr("epmap"), strict=True))
     assert [owner["fc_0.w_0.block0"], owner["fc_0.w_0.block1"]] == ["127.0.0.1:6170", "127.0.0.1:6171"]
-    sent_to = dict(zip(send.attr("send_varnames"), send.attr("epmap"), strict=True))
+    sent_to = {
+        name: ep for op in sends for name, ep in zip(op.attr("send_varnames"), op.attr("epmap"), strict=True)
+    }
     assert all(sent_to[f"{p.replace('.block', '@GRAD.block')}"] == owner[p] for p in params if "block" in p)
     assert all(sent_to[f"{p}@GRAD"] == owner[p] for p in params if "block" not in p)
     assert recv.attr("staleness") == 0 and recv.attr("sync_mode") == (mode == "sync")
@@ -209,10 +226,11 @@ def test_global_norm_clipping_stays_on_the_trainer():
         optimizer.SGD(0.1, grad_clip=fluidps.GradientClipByGlobalNorm(1.0)).minimize(loss)
     t, plan = transpile(main, startup)
     trainer_ops = ops(t.get_trainer_program())
+    # Every send waits for the clipping, which needs every gradient.
     assert "sqrt" in trainer_ops and trainer_ops.index("sqrt") < trainer_ops.index("send")
     assert plan.notes and "global-norm clipping" in plan.notes[0]
-    (send,) = [op for op in t.get_trainer_program().global_block().ops if op.type == "send"]
-    assert send.input("X") and all(".clipped_" in name for name in send.input("X"))
+    sends = [op for op in t.get_trainer_program().global_block().ops if op.type == "send"]
+    assert len(sends) == 4 and all(".clipped_" in name for op in sends for name in op.input("X"))
 
 
 # -- startup, placement, determinism -----------------------------------------------------
@@ -458,10 +476,23 @@ def test_transpile_cli_writes_programs_and_placement(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "is not host:port" in bad.stderr
 
 
-def _expected_tail(split: str, concats: int, mode: str) -> list[str]:
+COMMUNICATION = {
+    "split_byref",
+    "split_selected_rows",
+    "send",
+    "send_barrier",
+    "recv",
+    "fetch_barrier",
+    "concat",
+}
+
+
+def _expected_communication(split: str, params: int, concats: int, mode: str) -> list[str]:
+    """A send per parameter in backward order (the first layer's, cut by `split`, last)."""
     barrier = mode == "sync"
     return (
-        [split, "send"]
+        ["send"] * (params - 1)
+        + [split, "send"]
         + ["send_barrier"] * barrier
         + ["recv"]
         + ["fetch_barrier"] * barrier
@@ -479,14 +510,13 @@ def test_exact_op_types_per_role(model, mode):
     """The trainer's communication tail and every pserver block, op type by op type."""
     build = {"mlp": mlp, "sparse": sparse_model, "lr_decay": lambda: mlp(decay=True, l2=True)}[model]
     main, startup = build()
-    n_train_ops = sum(1 for op in main.global_block().ops if not op.attr("op_role") & (2 | 16))
+    train_ops = [op.type for op in main.global_block().ops if not op.attr("op_role") & (2 | 16)]
     _, plan = transpile(main, startup, mode, **({"staleness": 1} if mode == "ssp" else {}))
-    trainer_tail = ops(plan.trainer_program)[n_train_ops:]
+    trainer_ops = ops(plan.trainer_program)
+    assert [t for t in trainer_ops if t not in COMMUNICATION] == train_ops
     update = {"mlp": ["adam"], "sparse": ["sgd"], "lr_decay": ["scale", "sum", "adam"]}[model]
-    if model == "sparse":
-        assert trainer_tail == _expected_tail("split_selected_rows", 1, mode)
-    else:
-        assert trainer_tail == _expected_tail("split_byref", 1, mode)
+    split, params = ("split_selected_rows", 3) if model == "sparse" else ("split_byref", 4)
+    assert [t for t in trainer_ops if t in COMMUNICATION] == _expected_communication(split, params, 1, mode)
     queued = mode != "sync"
     for ep in plan.endpoints:
         ps = plan.pserver_programs[ep]
