@@ -57,7 +57,6 @@ class TrainerClient:
         self._keepalive: Keepalive | None = None
         self._unsettled: list[tuple[RpcClient, int]] = []  # requests sent without waiting
         self._held: dict[str, Message] = {}  # per pserver: gradients (and the barrier) not sent yet
-        self._held_bytes: dict[str, int] = {}
         self._sums: dict[tuple, GradientSum] = {}  # async send_interval: gradients not yet sent
         self._barrier_endpoints: tuple[str, ...] = ()  # sync: the pservers a step's barrier goes to
         self._downloaded: dict[tuple, list[Any]] = {}  # async recv_interval: the last values pulled
@@ -112,8 +111,10 @@ class TrainerClient:
             if name in msg.tensors:
                 raise TransportError(f"gradient {name!r} sent twice to pserver {endpoint} in one step")
             msg.tensors[name] = value
-            self._held_bytes[endpoint] += _nbytes(value)
-        self._flush([ep for ep, n in self._held_bytes.items() if n >= bucket_bytes])
+        full = [
+            ep for ep, msg in self._held.items() if sum(map(_nbytes, msg.tensors.values())) >= bucket_bytes
+        ]
+        self._flush(full)
 
     def get(self, items: Sequence[Pull], trainer_id: int, every: int = 1) -> list[Any]:
         """Pull (endpoint, name) values after this trainer's current step; with every=m,
@@ -194,15 +195,12 @@ class TrainerClient:
         """The message of this step held for `endpoint`: a SEND, gradients and barrier to come."""
         if endpoint not in self._held:
             self._held[endpoint] = Message(Kind.SEND, trainer_id=trainer_id, step=self.step)
-            self._held_bytes[endpoint] = 0
         return self._held[endpoint]
 
     def _flush(self, endpoints: Sequence[str] | None = None) -> None:
         """Send what is held for `endpoints` (None: for every pserver), not waited for."""
         endpoints = list(self._held) if endpoints is None else endpoints
         requests = {ep: self._held.pop(ep) for ep in endpoints}
-        for endpoint in endpoints:
-            del self._held_bytes[endpoint]
         if requests:
             self._exchange(requests, next(iter(requests.values())).trainer_id, wait=False)
 
@@ -229,7 +227,6 @@ class TrainerClient:
             if endpoint not in requests:
                 # What is held for this pserver (gradients, the barrier) carries the GET.
                 held = self._held.pop(endpoint, None)
-                self._held_bytes.pop(endpoint, None)
                 requests[endpoint] = held or Message(Kind.GET, trainer_id=trainer_id, step=self.step)
             requests[endpoint].names.append(name)
         replies = self._exchange(requests, trainer_id, wait=True)
@@ -283,7 +280,6 @@ class TrainerClient:
         for client in self._clients.values():
             client.close()
         self._held.clear()
-        self._held_bytes.clear()
         self._clients.clear()
         if self._keepalive is not None:
             self._keepalive.close()

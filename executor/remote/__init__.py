@@ -1,7 +1,8 @@
 """remote: RemoteExecutor, Executor's API with the training running as a job.
 
 Owns RemoteExecutor and JobDesc (remote_executor.py), the values of a job as a
-scope (remote_scope.py), the executor servers a job runs on and the connections to
+scope (remote_scope.py), a fed batch split across trainers and their fetches combined
+(batches.py), the executor servers a job runs on and the connections to
 them (cluster.py), and the executor server `fluidps serve` runs (executor_server.py):
 a local Executor driven over the wire.
 

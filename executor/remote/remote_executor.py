@@ -48,6 +48,7 @@ import numpy as np
 from fluidps.endpoints import free_endpoints, parse_endpoints
 from fluidps.errors import BuilderError, EOFException, Error, ExecutionError, UnsupportedError
 from fluidps.executor.executor import Executor, FetchTarget, _fetch_name
+from fluidps.executor.remote.batches import batch_size, combine_fetches, split_feed
 from fluidps.executor.remote.cluster import Cluster
 from fluidps.executor.remote.executor_server import REFRESH
 from fluidps.executor.remote.remote_scope import RemoteScope
@@ -135,7 +136,7 @@ class _Flight:
     """A step sent to the trainers and not collected yet."""
 
     requests: dict[RpcClient, tuple[RpcClient, int]]  # trainer -> (its client, the RUN's id)
-    sizes: list[int]  # each trainer's share of the batch
+    sizes: list[int]  # each trainer's share of a fed batch
     started: float  # perf_counter when it was sent
 
 
@@ -184,10 +185,7 @@ class RemoteExecutor:
         return_numpy: bool = True,
     ) -> list[Any]:
         """Run `program` as Executor.run does; a training program runs as one step of the job."""
-        if not self._finalizer.alive:
-            raise ExecutionError("this RemoteExecutor is closed")
-        if self._failed is not None:
-            raise ExecutionError(f"the job failed earlier and cannot go on: {self._failed}")
+        self._check_usable()
         if not isinstance(program, Program):
             raise ExecutionError("RemoteExecutor.run needs a Program (fluidps has no default program)")
         if scope is not None:
@@ -266,6 +264,7 @@ class RemoteExecutor:
         in_flight: deque[_Flight] = deque()
         try:
             for feed in batches:
+                self._check_usable()
                 d = self._training_deployment(program)
                 if d is None or d.reads:  # deploys with this batch, or reads a dataset: one at a time
                     yield self.run(program, feed=feed, fetch_list=fetch_names)
@@ -278,12 +277,14 @@ class RemoteExecutor:
         finally:
             self._abandon(in_flight)
 
-    def _training_deployment(self, program: Program) -> Deployment | None:
-        """The job training `program` (None: not deployed yet); checks it can go on."""
+    def _check_usable(self) -> None:
         if not self._finalizer.alive:
             raise ExecutionError("this RemoteExecutor is closed")
         if self._failed is not None:
             raise ExecutionError(f"the job failed earlier and cannot go on: {self._failed}")
+
+    def _training_deployment(self, program: Program) -> Deployment | None:
+        """The job training `program` (None: not deployed yet)."""
         d = self._deployment
         if d is not None and program is not d.program:
             raise UnsupportedError(
@@ -305,33 +306,21 @@ class RemoteExecutor:
     ) -> _Flight:
         """Check a fed batch, split it across the trainers and send it as their next step."""
         checked = self._local.prepare(program, feed.keys(), fetch_names).check_feeds(feed)
-        parts = _split_feed(checked, len(d.trainers))
+        parts = split_feed(checked, len(d.trainers))
         if self._profile is not None:
             self._profile.step()
-        self.scope.invalidate()
-        started = time.perf_counter()
-        flight = _Flight({}, [_batch_size(part) for part in parts], started)
-        for trainer, part in zip(d.trainers, parts, strict=True):
-            msg = Message(Kind.RUN, text="trainer", tensors=part, names=fetch_names)
-            flight.requests[trainer] = (trainer, trainer.request(msg))
+        flight = self._send(dict(zip(d.trainers, parts, strict=True)), fetch_names)
+        flight.sizes = [batch_size(part) for part in parts]
         return flight
 
     def _collect(self, d: Deployment, program: Program, flight: _Flight, fetch_names: list[str]) -> list[Any]:
         """Wait for a step sent by _send_step; its fetches combined over the trainers."""
         try:
-            replies = self._cluster.wait_all(flight.requests)
-        except Error as e:
-            self._failed = f"step {d.steps + 1}: {e}"
-            raise ExecutionError(f"the job failed at step {d.steps + 1}: {e}") from None
+            replies = self._wait(d, flight)
         finally:
             if self._profile is not None:
                 self._profile.add("client step", time.perf_counter() - flight.started)
-        d.steps += 1
-        values = [[replies[t].tensors[n] for n in fetch_names] for t in d.trainers]
-        return [
-            _combine(program, name, [v[k] for v in values], flight.sizes)
-            for k, name in enumerate(fetch_names)
-        ]
+        return combine_fetches(program, fetch_names, [replies[t].tensors for t in d.trainers], flight.sizes)
 
     def _abandon(self, in_flight: deque[_Flight]) -> None:
         """Steps sent but no longer wanted (the loop was left, or a step failed): a job still
@@ -340,19 +329,24 @@ class RemoteExecutor:
             flight = in_flight.popleft()
             if self._failed is None:
                 with contextlib.suppress(ExecutionError):
-                    self._collect(self._deployment, self._deployment.program, flight, [])
+                    self._wait(self._deployment, flight)
             else:
                 for client, rid in flight.requests.values():
                     client.forget(rid)
 
-    def _step(self, d: Deployment, feeds: dict[RpcClient, dict], fetch_names: list[str]) -> dict:
-        """One step on the given trainers, concurrently; a failure fails the job."""
-        requests = {
-            t: Message(Kind.RUN, text="trainer", tensors=feed, names=fetch_names) for t, feed in feeds.items()
-        }
+    def _send(self, feeds: dict[RpcClient, dict], fetch_names: list[str]) -> _Flight:
+        """Send a step to the given trainers (each its feed), without waiting."""
         self.scope.invalidate()
+        flight = _Flight({}, [], time.perf_counter())
+        for trainer, feed in feeds.items():
+            msg = Message(Kind.RUN, text="trainer", tensors=feed, names=fetch_names)
+            flight.requests[trainer] = (trainer, trainer.request(msg))
+        return flight
+
+    def _wait(self, d: Deployment, flight: _Flight) -> dict[RpcClient, Message]:
+        """Each trainer's reply to a step sent by _send; a failure fails the job."""
         try:
-            replies = self._cluster.call_all(requests)
+            replies = self._cluster.wait_all(flight.requests)
         except Error as e:
             self._failed = f"step {d.steps + 1}: {e}"
             raise ExecutionError(f"the job failed at step {d.steps + 1}: {e}") from None
@@ -368,7 +362,7 @@ class RemoteExecutor:
             active = [t for t in d.trainers if t not in d.finished]
             if not active:
                 raise EOFException("every pass over the dataset is done")
-            replies = self._step(d, {t: dict(feed) for t in active}, fetch_names)
+            replies = self._wait(d, self._send({t: dict(feed) for t in active}, fetch_names))
             ran = [t for t in active if replies[t].kind == Kind.VALUES]
             d.finished |= {
                 t for t in active if replies[t].kind == Kind.NO_TASK and replies[t].text == "finished"
@@ -383,8 +377,7 @@ class RemoteExecutor:
         sizes = [
             json_fields(replies[t].text, {"samples": int})["samples"] if replies[t].text else 1 for t in ran
         ]
-        values = [[replies[t].tensors[n] for n in fetch_names] for t in ran]
-        return [_combine(program, name, [v[k] for v in values], sizes) for k, name in enumerate(fetch_names)]
+        return combine_fetches(program, fetch_names, [replies[t].tensors for t in ran], sizes)
 
     # -- deploying -------------------------------------------------------------------------
 
@@ -598,43 +591,3 @@ def _persistables(program: Program) -> tuple[set[str], set[str]]:
                 if var is not None and var.persistable:
                     writes.add(name)
     return reads - {"feed", "fetch"}, writes - {"feed", "fetch"}
-
-
-def _batch_size(feed: Mapping[str, Any]) -> int:
-    return next((len(v) for v in feed.values() if np.ndim(v) > 0), 1)
-
-
-def _split_feed(feed: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Each fed array split along dim 0 into `parts` nearly equal pieces, one per trainer."""
-    if parts == 1:
-        return [feed]
-    out: list[dict[str, Any]] = [{} for _ in range(parts)]
-    for name, value in feed.items():
-        if not isinstance(value, np.ndarray) or value.ndim == 0:
-            raise ExecutionError(
-                f"feed {name!r} must be an array with a batch dimension to split across trainers"
-            )
-        if len(value) < parts:
-            raise ExecutionError(
-                f"feed {name!r} has {len(value)} rows; a job of {parts} trainers needs at least one per trainer"
-            )
-        for i, piece in enumerate(np.array_split(value, parts)):
-            out[i][name] = np.ascontiguousarray(piece)
-    return out
-
-
-def _combine(program: Program, name: str, values: list[Any], sizes: list[int]) -> Any:
-    """One fetch from every trainer's: weighted mean of scalars, concatenation of
-    per-example values, trainer 0's value otherwise."""
-    first = values[0]
-    if len(values) == 1 or not isinstance(first, np.ndarray):
-        return first
-    var = program.global_block().find_var(name)
-    shape = var.shape if var is not None else None
-    if first.size == 1 and np.issubdtype(first.dtype, np.floating):
-        weights = np.asarray(sizes, dtype=np.float64) / sum(sizes)
-        mean = sum(w * v.astype(np.float64) for w, v in zip(weights, values, strict=True))
-        return mean.astype(first.dtype)
-    if shape and shape[0] == -1:
-        return np.concatenate(values)
-    return first

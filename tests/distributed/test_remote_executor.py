@@ -36,14 +36,16 @@ def _mlp() -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable, fluidps.
     return main, startup, loss, test_program, logits
 
 
-def _sparse_model() -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
+def _sparse_model(distributed: bool = False) -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
+    """`distributed`: the table is marked is_distributed (it stays on the pservers)."""
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = 11
     with fluidps.program_guard(main, startup):
         dense = layers.data("dense", [4])
         ids = layers.data("ids", [3], dtype="int64")
         label = layers.data("label", [1], dtype="int64")
-        emb = layers.reshape(layers.embedding_v2(ids, [500, 4], is_sparse=True), [-1, 12])
+        table = layers.embedding_v2(ids, [500, 4], is_sparse=True, is_distributed=distributed)
+        emb = layers.reshape(table, [-1, 12])
         h = layers.fc(layers.concat([dense, emb], axis=1), 16, act="relu")
         loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 2), label))
         optimizer.Adam(0.05, lazy_mode=True).minimize(loss)
@@ -368,25 +370,11 @@ def test_checkpoints_on_demand_resume_a_job_with_another_number_of_pservers(tmp_
     np.testing.assert_allclose(losses, local_losses[3:], rtol=1e-4, atol=1e-5)
 
 
-def _distributed_table_model() -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
-    main, startup = fluidps.Program(), fluidps.Program()
-    startup.random_seed = 13
-    with fluidps.program_guard(main, startup):
-        dense = layers.data("dense", [4])
-        ids = layers.data("ids", [3], dtype="int64")
-        label = layers.data("label", [1], dtype="int64")
-        table = layers.embedding_v2(ids, [500, 4], is_sparse=True, is_distributed=True)
-        h = layers.fc(layers.concat([dense, layers.reshape(table, [-1, 12])], axis=1), 16, act="relu")
-        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 2), label))
-        optimizer.Adam(0.05, lazy_mode=True).minimize(loss)
-    return main, startup, loss
-
-
 def test_a_distributed_table_job_matches_local_training_and_resumes_on_other_pservers(tmp_path):
     """Two trainers prefetch the rows of their halves of each batch from two pservers, in
     sync mode: local training on the whole batches. A checkpoint of the job restores on
     three pservers, the table cut differently, and training carries on as locally."""
-    main, startup, loss = _distributed_table_model()
+    main, startup, loss = _sparse_model(distributed=True)
     batches = _sparse_batches(6)
     table = "embedding_0.w_0"
     config = fluidps.DistributeTranspilerConfig(min_block_size=64, checkpoint_dir=str(tmp_path / "ckpt"))
