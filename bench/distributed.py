@@ -20,10 +20,12 @@ includes the deploy and the numba compiles):
                  (fluidps.transpiler.tables); its local rows are ctr_embedding's
 - ctr_hashed:    examples/ctr_hashed.py's model: the same fields as raw 40-bit feature
                  hashes into a hashed table (layers.sparse_embedding, Adam), global batch 512
-each as a RemoteExecutor job of 1x1, 2x1 and 2x2 trainers x pservers in sync
-and async mode (every `fluidps serve` process on 127.0.0.1; the global batch
+each as a RemoteExecutor job of 1x1, 2x1 and 2x2 trainers x pservers in sync,
+async and async+communicator mode (DistributeTranspilerConfig.communicator) (every `fluidps serve` process on 127.0.0.1; the global batch
 is split across the trainers; exe.run_batches keeps `--prefetch-batches` steps in
-flight, 2 by default, 1 for one exe.run at a time), next to fluidps.Executor on the same programs
+flight, 2 by default, 1 for one exe.run at a time), and the same jobs the Fluid way
+(runner "fluidps launch": bench/launched.py in every process, each trainer feeding
+itself its rows of each batch, no client; `--runners` picks), next to fluidps.Executor on the same programs
 and batches ("local" rows) and, when PyTorch is importable, bench.local's
 PyTorch models (torch rows: the digits one trains with SGD, not Adam).
 
@@ -66,6 +68,7 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -88,7 +91,14 @@ import digits_mlp  # noqa: E402
 CORES = os.cpu_count() or 1
 MIB = 1 << 20
 TOPOLOGIES = ((1, 1), (2, 1), (2, 2))  # trainers x pservers
-MODES = ("sync", "async")
+# "async+communicator": async, each trainer's gradients sent and its parameters pulled by
+# its communicator thread (DistributeTranspilerConfig.communicator).
+MODES = ("sync", "async", "async+communicator")
+
+
+def job_config(mode: str) -> fluidps.DistributeTranspilerConfig:
+    mode, _, communicator = mode.partition("+")
+    return fluidps.DistributeTranspilerConfig(mode=mode, communicator=communicator == "communicator")
 
 
 @dataclass
@@ -98,6 +108,7 @@ class Workload:
     batches: list[dict[str, np.ndarray]]
     steps: int  # per timed window
     info: dict  # extra row fields
+    launch_args: tuple[str, ...]  # what bench/launched.py needs to build the same workload
 
 
 def digits_workload(batch: int, steps: int) -> Workload:
@@ -112,7 +123,10 @@ def digits_workload(batch: int, steps: int) -> Workload:
         main, startup, _, loss, _ = digits_mlp.build()
         return main, startup, loss
 
-    return Workload("digits_mlp", build, batches, steps, {"model": "64-256-256-10", "optimizer": "adam"})
+    info = {"model": "64-256-256-10", "optimizer": "adam"}
+    return Workload(
+        "digits_mlp", build, batches, steps, info, ("--workload", "digits_mlp", "--batch", str(batch))
+    )
 
 
 def ctr_workload(batch: int, steps: int, vocab: int, distributed_table: bool = False) -> Workload:
@@ -133,7 +147,9 @@ def ctr_workload(batch: int, steps: int, vocab: int, distributed_table: bool = F
         "optimizer": "lazy adam",
         "distributed_table": distributed_table,
     }
-    return Workload("ctr_distributed" if distributed_table else "ctr_embedding", build, batches, steps, info)
+    name = "ctr_distributed" if distributed_table else "ctr_embedding"
+    launch_args = ("--workload", name, "--batch", str(batch), "--vocab", str(vocab))
+    return Workload(name, build, batches, steps, info, launch_args)
 
 
 def ctr_hashed_workload(batch: int, steps: int) -> Workload:
@@ -146,7 +162,9 @@ def ctr_hashed_workload(batch: int, steps: int) -> Workload:
         return main, startup, loss
 
     info = {"table": "hashed x8", "fields": ctr_hashed.FIELDS, "optimizer": "adam (per-row state)"}
-    return Workload("ctr_hashed", build, batches, steps, info)
+    return Workload(
+        "ctr_hashed", build, batches, steps, info, ("--workload", "ctr_hashed", "--batch", str(batch))
+    )
 
 
 def training_row(w: Workload, mode: str, trainers: int, pservers: int, rate: float, **extra) -> dict:
@@ -187,6 +205,7 @@ def run_local(w: Workload, repeats: int, warmup: int) -> tuple[float, float]:
 class JobOptions:
     profile: bool = False  # each process's breakdown per step in the row
     prefetch_batches: int = 2  # steps in flight (JobDesc.prefetch_batches; 1: one at a time)
+    runners: tuple[str, ...] = ("RemoteExecutor",)  # and/or "launch": bench/launched.py under fluidps launch
 
 
 def run_job(
@@ -199,7 +218,7 @@ def run_job(
     job = fluidps.JobDesc(
         pservers=pservers,
         trainers=trainers,
-        mode=mode,
+        config=job_config(mode),
         profile=options.profile,
         prefetch_batches=options.prefetch_batches,
     )
@@ -256,6 +275,50 @@ def run_job(
     return rate * batch, fields
 
 
+LAUNCHED = Path(__file__).resolve().parent / "launched.py"
+
+
+def run_launched(
+    w: Workload, trainers: int, pservers: int, mode: str, repeats: int, warmup: int
+) -> tuple[float, dict]:
+    """(samples/s, row fields) of the same training the Fluid way: bench/launched.py under
+    `fluidps launch`, each trainer feeding itself its rows of each global batch (no client
+    process). The rate adds up the trainers' (their steps/s, median of the windows, times
+    their rows a step)."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            *(
+                sys.executable,
+                "-m",
+                "fluidps",
+                "launch",
+                "--pservers",
+                str(pservers),
+                "--trainers",
+                str(trainers),
+            ),
+            *("--mode", job_config(mode).mode, str(LAUNCHED), *w.launch_args, "--out", out),
+            *(["--communicator"] if job_config(mode).communicator else []),
+            *("--steps", str(w.steps), "--repeats", str(repeats), "--warmup", str(1 + warmup)),
+        ]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        if done.returncode:
+            raise RuntimeError(
+                f"fluidps launch failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
+        results = [json.loads((Path(out) / f"trainer.{i}.json").read_text()) for i in range(trainers)]
+    rate = sum(statistics.median(r["steps_per_s"]) * r["batch"] for r in results)
+    fields = {
+        "runner": "fluidps launch",
+        "steps": w.steps * repeats,
+        "warmup_steps": 1 + warmup,
+        "loss": round(results[0]["loss"], 4),
+        "wall_s": round(time.perf_counter() - start, 2),  # processes started, compiled, trained, stopped
+    }
+    return rate, fields
+
+
 def breakdown(before: dict, after: dict) -> dict:
     """Each process's ms per step between two exe.profile() reports."""
     out = {"client": per_step(before["client"], after["client"])["ms_per_step"]}
@@ -295,10 +358,15 @@ def bench_training(
         print(json.dumps(row), flush=True)
     for trainers, pservers in topologies:
         for mode in modes:
-            rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup, options)
-            row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
-            row["vs_local"] = round(rate / local, 3)
-            print(json.dumps(row), flush=True)
+            for runner in options.runners:
+                if runner == "launch":
+                    rate, fields = run_launched(w, trainers, pservers, mode, repeats, warmup)
+                else:
+                    rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup, options)
+                    fields = {"runner": "RemoteExecutor", **fields}
+                row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
+                row["vs_local"] = round(rate / local, 3)
+                print(json.dumps(row), flush=True)
 
 
 def mib(nbytes: int) -> float:
@@ -536,8 +604,17 @@ def main(argv: list[str] | None = None) -> None:
         default=fluidps.JobDesc().prefetch_batches,
         help="steps each job keeps in flight (JobDesc.prefetch_batches; 1: one at a time)",
     )
+    parser.add_argument(
+        "--runners",
+        default="RemoteExecutor,launch",
+        help="how jobs run: RemoteExecutor (this process is the client) and/or launch "
+        "(bench/launched.py under fluidps launch: each trainer feeds itself)",
+    )
     args = parser.parse_args(argv)
-    options = JobOptions(args.profile, args.prefetch_batches)
+    runners = tuple(args.runners.split(","))
+    if not set(runners) <= {"RemoteExecutor", "launch"}:
+        raise SystemExit(f"--runners: RemoteExecutor and/or launch, got {args.runners!r}")
+    options = JobOptions(args.profile, args.prefetch_batches, runners)
     repeats, warmup, scale = args.repeats, 5, args.scale
     if args.quick:
         repeats, warmup, scale = 1, 2, 0.05

@@ -166,6 +166,8 @@ def run_trainer(role: fluidps.RoleInfo, t, model, args) -> None:
             print(f"epoch {epoch + 1}/{args.epochs}: loss {np.mean(epoch_losses):.4f}", flush=True)
         result = {"trainer_id": role.trainer_id, "mode": role.mode, "losses": losses}
         if role.trainer_id == 0:
+            if role.mode != "sync":  # the current parameters: async steps ran on the last ones pulled
+                exe.run(t.get_trainer_startup_program())
             (acc,) = exe.run(test_program, feed={"image": x_test, "label": y_test}, fetch_list=[accuracy])
             result["test_accuracy"] = float(acc)
             print(f"test accuracy {float(acc):.4f} after {len(losses)} steps", flush=True)

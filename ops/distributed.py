@@ -30,6 +30,7 @@ from fluidps.ir.types import DISTRIBUTED_MODES, VarType
 from fluidps.ops.defs import Blocks, Bool, Float, In, Int, Ints, Long, Longs, Out, Str, Strs
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
 from fluidps.ops.registry import OpFamily
+from fluidps.ops.runtime_api import Communicate
 from fluidps.ops.selected_rows import SelectedRows
 
 family = OpFamily("distributed")
@@ -98,6 +99,12 @@ family.define(
         # Gradients are held per pserver until this many bytes are, or until the step's
         # next exchange with it (0: sent at once); see DistributeTranspilerConfig.
         Int("bucket_bytes", 0, lambda n: n >= 0, "bucket_bytes must be >= 0"),
+        # Async mode: the gradients go through the trainer's communicator thread, merged
+        # by merge_mode ("sum" or "mean"); see DistributeTranspilerConfig.communicator.
+        Bool("use_communicator", False),
+        Str("merge_mode", "mean", lambda m: m in ("sum", "mean"), "merge_mode must be 'sum' or 'mean'"),
+        Int("max_merge_var_num", 20, lambda n: n >= 1, "max_merge_var_num must be >= 1"),
+        Int("send_queue_size", 20, lambda n: n >= 1, "send_queue_size must be >= 1"),
     ],
 )
 
@@ -113,6 +120,9 @@ family.define(
         # SSP: how many steps this trainer may run ahead of the slowest one.
         Int("staleness", 0, lambda n: n >= 0, "staleness must be >= 0"),
         Bool("sync_mode", True),
+        # Async mode: pulled by the trainer's communicator thread; the step takes the last
+        # values it pulled and does not wait.
+        Bool("use_communicator", False),
     ],
 )
 
@@ -228,6 +238,13 @@ def _send_kernel(op: KernelOp) -> Runner:
     remote = op.attr("send_varnames") or names
     epmap, trainer_id, interval = op.attr("epmap"), op.attr("trainer_id"), op.attr("send_interval")
     bucket = op.attr("bucket_bytes")
+    communicate = None
+    if op.attr("use_communicator"):
+        if op.attr("sync_mode"):
+            raise ExecutionError("send: use_communicator is for async mode (sync_mode is set)")
+        communicate = Communicate(
+            op.attr("merge_mode"), op.attr("max_merge_var_num"), op.attr("send_queue_size")
+        )
     if len(epmap) != len(names) or len(remote) != len(names):
         raise ExecutionError(f"send: {len(names)} variables but {len(epmap)} endpoints / {len(remote)} names")
     trainer = op.runtime.trainer
@@ -236,7 +253,7 @@ def _send_kernel(op: KernelOp) -> Runner:
         # Async with send_interval n: the runtime uploads the mean of n steps' gradients
         # every n steps (it keeps the sum, so it survives this program being prepared again).
         items = list(zip(epmap, remote, [env[n] for n in names], strict=True))
-        trainer.send(items, trainer_id, every=interval, bucket_bytes=bucket)
+        trainer.send(items, trainer_id, every=interval, bucket_bytes=bucket, communicate=communicate)
 
     return run
 
@@ -246,13 +263,18 @@ def _recv_kernel(op: KernelOp) -> Runner:
     outs = op.outputs("Out")
     remote = op.attr("recv_varnames") or outs
     epmap, trainer_id, interval = op.attr("epmap"), op.attr("trainer_id"), op.attr("recv_interval")
+    background = op.attr("use_communicator")
+    if background and op.attr("sync_mode"):
+        raise ExecutionError("recv: use_communicator is for async mode (sync_mode is set)")
     if len(epmap) != len(outs) or len(remote) != len(outs):
         raise ExecutionError(f"recv: {len(outs)} variables but {len(epmap)} endpoints / {len(remote)} names")
     trainer = op.runtime.trainer
 
     def run(env: Env) -> None:
         # Async with recv_interval m: downloads every m steps (and whenever nothing was yet).
-        values = trainer.get(list(zip(epmap, remote, strict=True)), trainer_id, every=interval)
+        values = trainer.get(
+            list(zip(epmap, remote, strict=True)), trainer_id, every=interval, background=background
+        )
         for name, value in zip(outs, values, strict=True):
             env[name] = value
 

@@ -11,6 +11,7 @@ never import the executor.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -27,15 +28,37 @@ Pull = tuple[str, str]
 Prefetch = tuple[str, str, "np.ndarray"]
 
 
+@dataclass(frozen=True)
+class Communicate:
+    """An async send op's gradients go through the trainer's communicator thread: queued
+    (at most `queue_size` per variable), merged `merge` ("sum" or "mean") at most
+    `max_merge` at a time, and sent without the step waiting."""
+
+    merge: str
+    max_merge: int
+    queue_size: int
+
+
 class TrainerChannel(Protocol):
     """A trainer's exchanges with its pservers."""
 
-    def send(self, items: Sequence[Push], trainer_id: int, every: int = 1, bucket_bytes: int = 0) -> None:
+    def send(
+        self,
+        items: Sequence[Push],
+        trainer_id: int,
+        every: int = 1,
+        bucket_bytes: int = 0,
+        communicate: Communicate | None = None,
+    ) -> None:
         """Push gradients, held per pserver until `bucket_bytes` are or until the step's next
-        exchange with it; with every=n, the mean of n calls' gradients every n-th call."""
+        exchange with it (or handed to the communicator); with every=n, the mean of n
+        calls' gradients every n-th call."""
 
-    def get(self, items: Sequence[Pull], trainer_id: int, every: int = 1) -> list[Any]:
-        """Pull values after this step; with every=m, only every m-th step."""
+    def get(
+        self, items: Sequence[Pull], trainer_id: int, every: int = 1, background: bool = False
+    ) -> list[Any]:
+        """Pull values after this step; with every=m, only every m-th step. In the
+        `background`, the values of the last pull finished (waiting only for the first)."""
 
     def prefetch(self, items: Sequence[Prefetch], trainer_id: int) -> list[np.ndarray]:
         """The rows asked for, one array per item, in one message per pserver (in sync

@@ -8,6 +8,7 @@ from fluidps.errors import BuilderError, UnsupportedError
 
 MODES = ("sync", "async", "ssp")
 SPLIT_METHODS = ("RoundRobin", "HashName")
+MERGES = ("auto", "sum", "mean")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,21 @@ class DistributeTranspilerConfig:
       many bytes are held (a bigger message costs less than several small ones), then
       sends them without waiting; the rest ride on the step's last message (0: every
       send goes at once).
+    communicator: async only (off by default, as Fluid's transpiler). Each trainer's
+      gradients are queued per variable and sent by a thread of its own (Fluid's
+      Communicator), so a step does not wait for the network: the thread merges what
+      queued up while the last message was in flight, at most
+      communicator_max_merge_var_num gradients of a variable into one, by
+      communicator_merge: "sum", "mean" or "auto" (sum for parameters updated by
+      sgd, where a sum moves the parameter as far as the gradients applied one by one;
+      mean for the others, whose updates assume one gradient's scale). Each variable's
+      queue holds at most communicator_send_queue_size gradients: a trainer that
+      outruns its pservers waits in its send op (and says so in the log) rather than
+      growing without bound. Parameters are pulled by that thread too, every
+      recv_interval steps; a step uses the last values pulled (only the first pull is
+      waited for). The price is staleness: steps compute on older parameters and
+      merged gradients make fewer updates, so a model may need more steps to reach the
+      same loss (README, Performance, has a measured case).
     """
 
     slice_var_up: bool = True
@@ -62,6 +78,10 @@ class DistributeTranspilerConfig:
     checkpoint_base_every: int = 1
     distributed_table_min_rows: int = 0
     send_bucket_bytes: int = 256 * 1024
+    communicator: bool = False
+    communicator_merge: str = "auto"
+    communicator_max_merge_var_num: int = 20
+    communicator_send_queue_size: int = 20
 
     def __post_init__(self) -> None:
         if self.split_method not in SPLIT_METHODS:
@@ -96,6 +116,16 @@ class DistributeTranspilerConfig:
             )
         if self.send_bucket_bytes < 0:
             raise BuilderError(f"send_bucket_bytes must be >= 0, got {self.send_bucket_bytes}")
+        if self.communicator and self.mode != "async":
+            raise BuilderError(
+                f"communicator applies to mode 'async' only (mode is {self.mode!r}): sync and ssp "
+                "steps wait for the pservers by design"
+            )
+        if self.communicator_merge not in MERGES:
+            raise BuilderError(f"communicator_merge must be one of {MERGES}, got {self.communicator_merge!r}")
+        for name in ("communicator_max_merge_var_num", "communicator_send_queue_size"):
+            if getattr(self, name) < 1:
+                raise BuilderError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.optimizer_state_with_slice:
             raise UnsupportedError(
                 "optimizer_state_with_slice=False: each slice's optimizer op updates that slice's "

@@ -62,6 +62,13 @@ def build_trainer_program(
             "send_interval": config.send_interval,
             "bucket_bytes": config.send_bucket_bytes,
         }
+        if config.communicator:
+            attrs |= {
+                "use_communicator": True,
+                "merge_mode": _merge_mode(config, program.global_block().ops[update.ops[-1]].type),
+                "max_merge_var_num": config.communicator_max_merge_var_num,
+                "send_queue_size": config.communicator_send_queue_size,
+            }
         split_ops = 1 if len(mine) > 1 else 0
         send = {"X": [name for name, _ in sent]}
         append_role_op(block, "send", send, {}, attrs, role=OpRole.RPC, index=position + split_ops)
@@ -74,7 +81,7 @@ def build_trainer_program(
             {"endpoints": list(endpoints), "trainer_id": trainer_id},
             role=OpRole.RPC,
         )
-    receive_parameters(block, roles, slices, config, trainer_id, endpoints)
+    receive_parameters(block, roles, slices, config, trainer_id, endpoints, background=config.communicator)
     return trainer
 
 
@@ -115,10 +122,15 @@ def receive_parameters(
     config: DistributeTranspilerConfig,
     trainer_id: int,
     endpoints: tuple[str, ...],
+    background: bool = False,
 ) -> None:
-    """recv every parameter's slices, fetch_barrier (sync), concat the slices."""
+    """recv every parameter's slices, fetch_barrier (sync), concat the slices. In the
+    `background`: by the communicator (the trainer program's; a startup program pulls the
+    current values, waiting for them)."""
     sync = config.mode == "sync"
     attrs = {"trainer_id": trainer_id, "sync_mode": sync, "recv_interval": config.recv_interval}
+    if background:
+        attrs["use_communicator"] = True
     if config.mode == "ssp":
         attrs["staleness"] = config.staleness
     received = [
@@ -183,6 +195,13 @@ def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int) ->
             role_var=op.attr(OP_ROLE_VAR_ATTR) if op.has_attr(OP_ROLE_VAR_ATTR) else [],
             index=index,
         )
+
+
+def _merge_mode(config: DistributeTranspilerConfig, optimizer: str) -> str:
+    """How the communicator merges the gradients of a parameter `optimizer` updates."""
+    if config.communicator_merge != "auto":
+        return config.communicator_merge
+    return "sum" if optimizer == "sgd" else "mean"
 
 
 def _after_last_write(block: Block, name: str) -> int:

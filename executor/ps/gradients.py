@@ -1,6 +1,6 @@
 """Summing and averaging gradients, dense arrays or SelectedRows: the mean over trainers a
-sync pserver fills in for trainers that sent nothing, and the mean over `send_interval`
-steps an async trainer uploads.
+sync pserver fills in for trainers that sent nothing, the mean over `send_interval`
+steps an async trainer uploads, and what an async trainer's communicator merges.
 
 A trainer with send_interval n uploads, every n steps, the mean of its last n
 gradients; the sum lives in its TrainerClient (GradientSum), keyed by what is sent, so it
@@ -34,12 +34,22 @@ def divide(total: Any, count: int) -> Any:
     return (total / count).astype(total.dtype)
 
 
+def copy(value: Any) -> Any:
+    """A copy of a gradient that shares no memory with it."""
+    return value.copy() if isinstance(value, SelectedRows) else np.array(value, copy=True)
+
+
+def total(values: list[Any]) -> Any:
+    """The sum of several gradients of one variable."""
+    out = None
+    for value in values:
+        out = add(out, value)
+    return out
+
+
 def mean(values: list[Any]) -> Any:
     """The mean of several gradients of one variable."""
-    total = None
-    for value in values:
-        total = add(total, value)
-    return divide(total, len(values))
+    return divide(total(values), len(values))
 
 
 class GradientSum:

@@ -3,7 +3,8 @@
 It receives requests, keeps track of the trainers, and hands each event to the
 strategy of its mode (fluidps.executor.ps.strategies: sync, async, ssp), which
 applies gradients and says when a GET may be answered; GETs that may not be
-answered yet wait in `deferred`. A PREFETCH (rows of a distributed table's block,
+answered yet wait in `deferred`, and async SENDs whose gradients are not applied
+yet in `unapplied` (optimize workers wake the loop when they apply one). A PREFETCH (rows of a distributed table's block,
 by index) is a pull like a GET: checked, then answered when a GET would be.
 
 Trainers are tracked by `Membership`: a trainer silent (no message, no
@@ -25,6 +26,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,7 +36,7 @@ from fluidps.executor.ps.checkpointer import Checkpointer
 from fluidps.executor.ps.membership import DONE, Membership
 from fluidps.executor.ps.strategies import STRATEGIES
 from fluidps.executor.resources import resident_bytes
-from fluidps.executor.transport.rpc import Request, RpcServer
+from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
 from fluidps.ir.operator import Operator
@@ -122,6 +124,9 @@ class ParameterServer:
         self.clock_log: deque[dict[str, Any]] = deque(maxlen=CLOCK_LOG_LIMIT)
         self.received_rows: dict[str, RowLog] = {}  # sparse gradients: which rows arrived
         self.deferred: list[Request] = []
+        # Async: SENDs acknowledged once their gradients are applied, and when that is.
+        self.unapplied: list[tuple[Request, Callable[[], bool]]] = []
+        self._waker: Waker | None = None
         self.log_lines: list[str] = []
         self.last_heard = time.monotonic()
         self.locks = {i: threading.Lock() for i in self.blocks}
@@ -141,9 +146,9 @@ class ParameterServer:
     # -- the loop -------------------------------------------------------------------------
 
     def serve(self) -> None:
-        self.server = RpcServer(
-            self.host.context_for(self.endpoint), self.endpoint, self.name, self.settings, self.host.profile
-        )
+        context = self.host.context_for(self.endpoint)
+        self.server = RpcServer(context, self.endpoint, self.name, self.settings, self.host.profile)
+        self._waker = Waker(context)
         previous_handler = self._catch_sigterm()
         try:
             restored = self.checkpoints.restore(self.env, self.pserver_id)
@@ -151,7 +156,7 @@ class ParameterServer:
                 self.strategy.restore(restored)
             self.strategy.start()
             while self.members.active and self._stop_reason is None:
-                for request in self.server.receive(0.05):
+                for request in self.server.receive(0.05, wake=self._waker.socket):
                     self.last_heard = time.monotonic()
                     self._handle(request)
                 self._check_trainers()
@@ -172,6 +177,7 @@ class ParameterServer:
             self.ended.set()
             self.strategy.stop()
             self.server.close()
+            self._waker.close()
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)
         if self._stop_reason == "SIGTERM" and previous_handler is not None:
@@ -180,6 +186,19 @@ class ParameterServer:
     def stop(self, reason: str) -> None:
         """Make the loop end (checkpointing first when it has a directory); thread-safe."""
         self._stop_reason = reason
+        self.wake()
+
+    def wake(self) -> None:
+        """End the loop's wait for requests now (thread-safe): something else is due."""
+        if self._waker is not None:
+            self._waker.wake()
+
+    def applied(self) -> None:
+        """An optimize worker applied a gradient (thread-safe): a SEND may be acknowledged.
+        (It counted the gradient before this looks at `unapplied`, and the loop appends
+        only SENDs it found not yet applied, so none is missed.)"""
+        if self.unapplied:
+            self.wake()
 
     def _catch_sigterm(self) -> Any:
         """In a process's main thread with checkpoints on, SIGTERM saves one before dying."""
@@ -212,6 +231,7 @@ class ParameterServer:
             "clock_log": clock_log,
             "live_trainers": sorted(self.members.live),
             "deferred_gets": len(self.deferred),
+            "unapplied_sends": len(self.unapplied),
             "rejected": self.server.rejected if self.server else 0,
             "received_row_counts": {grad: log.total for grad, log in self.received_rows.items()},
             "checkpoints": list(self.checkpoints.saved),
@@ -291,6 +311,7 @@ class ParameterServer:
         """Drop what a trainer's old incarnation started: its barrier and its waiting GETs."""
         self.strategy.forget(trainer)
         self.deferred = [r for r in self.deferred if r.msg.trainer_id != trainer]
+        self.unapplied = [(r, a) for r, a in self.unapplied if r.msg.trainer_id != trainer]
 
     # -- gradients ------------------------------------------------------------------------
 
@@ -306,19 +327,22 @@ class ParameterServer:
         for grad, value in msg.tensors.items():
             if isinstance(value, SelectedRows):
                 self.received_rows.setdefault(grad, RowLog()).add(value.rows)
-        self.strategy.on_gradients(msg.trainer_id, msg.step, msg.tensors)
+        applied = self.strategy.on_gradients(msg.trainer_id, msg.step, msg.tensors)
+        if applied is not None and not applied():
+            self.unapplied.append((request, applied))  # (async: no barrier rides on it)
+            return
         if msg.names:
             if msg.barrier:
-                self.strategy.on_barrier(msg.trainer_id)
+                self.strategy.on_barrier(msg.trainer_id, msg.step)
             self._pull(request)
             return
         self.server.reply(request)
         if msg.barrier:
-            self.strategy.on_barrier(msg.trainer_id)
+            self.strategy.on_barrier(msg.trainer_id, msg.step)
 
     def _on_send_barrier(self, request: Request) -> None:
         self.server.reply(request)
-        self.strategy.on_barrier(request.msg.trainer_id)
+        self.strategy.on_barrier(request.msg.trainer_id, request.msg.step)
 
     # -- trainers coming and going ------------------------------------------------------------
 
@@ -416,6 +440,14 @@ class ParameterServer:
         self.server.reply(request, Message(Kind.VALUES, tensors=values))
 
     def _answer_deferred(self) -> None:
+        sends, self.unapplied = self.unapplied, []
+        for request, applied in sends:
+            if not applied():
+                self.unapplied.append((request, applied))
+            elif request.msg.names:
+                self._pull(request)
+            else:
+                self.server.reply(request)
         waiting, self.deferred = self.deferred, []
         for request in waiting:
             if self._may_answer(request.msg):

@@ -11,8 +11,11 @@
   not change the result.
 - async: each arriving gradient runs its receive block (an enqueue); one worker
   thread per optimize block dequeues and applies gradients as they come, holding that
-  slice's lock, and GETs copy under the lock. Clocks (the steps each trainer sent)
-  drive the learning-rate schedule.
+  slice's lock, and GETs copy under the lock. A SEND is acknowledged once its
+  gradients are applied: a trainer (its communicator) never has more than its last
+  message waiting here, so the queues stay short and what a fast trainer computes
+  meanwhile is merged on its side. Clocks (the steps each trainer sent) drive the
+  learning-rate schedule.
 - ssp: async, but a GET waits until the trainer's clock is at most `staleness`
   steps ahead of the slowest live trainer's; every grant is logged.
 
@@ -24,19 +27,23 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fluidps.executor.ps import gradients
 from fluidps.executor.ps.layered_env import LayeredEnv
-from fluidps.ops.selected_rows import SelectedRows
 from fluidps.ops.sparse_table import SparseTable
 
 if TYPE_CHECKING:
     from fluidps.executor.ps.parameter_server import ParameterServer
 
 _WORKER_POLL = 0.05  # seconds an async worker waits for a gradient before checking for a stop
+# An async SEND is acknowledged once at most this many gradients queued before and with
+# each of its own are still to be applied: the optimize workers always have the next
+# one at hand, and no trainer gets further ahead of its pserver than that.
+ASYNC_BACKLOG = 2
 
 
 class Strategy:
@@ -66,12 +73,14 @@ class Strategy:
         """An error of a worker thread, which ends the job."""
         return None
 
-    def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> None:
-        """A trainer's SEND of its step `step` (tensors may be empty: a step without data)."""
+    def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> Callable[[], bool] | None:
+        """A trainer's SEND of its step `step` (tensors may be empty: a step without data).
+        Returns None, or what says when the SEND may be acknowledged: once its gradients
+        are applied (async), which keeps a trainer from running ahead of its pserver."""
         raise NotImplementedError
 
-    def on_barrier(self, trainer: int) -> None:
-        """A trainer's send barrier (already acknowledged)."""
+    def on_barrier(self, trainer: int, step: int) -> None:
+        """A trainer's send barrier of its step `step` (already acknowledged)."""
 
     def on_members_changed(self) -> None:
         """A trainer paused, finished, left or was evicted: a step may be complete now."""
@@ -86,7 +95,7 @@ class Strategy:
     def read(self, name: str) -> Any:
         """A served value, safe to send while workers go on updating."""
         with self.ps.locked(name):
-            return _snapshot(self.ps.env[name])
+            return gradients.copy(self.ps.env[name])
 
     def read_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows of a distributed table's block (a copy), safe to send while workers update it."""
@@ -113,6 +122,9 @@ class SyncStrategy(Strategy):
         self.senders: dict[str, set[int]] = {}  # per gradient: the trainers that sent it this step
         self.applied: set[str] = set()  # gradients whose optimize block ran this step
         self.awaiting: dict[int, int] = {}  # the step each trainer's next GET waits for
+        # Each trainer's own step number of its last barrier counted: anything it sends
+        # numbered that or lower belongs to a step already closed (0: unnumbered, not checked).
+        self.closed: dict[int, int] = {}
         self.completed = 0  # optimization steps done
 
     @property
@@ -124,6 +136,12 @@ class SyncStrategy(Strategy):
 
     def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> None:
         ps = self.ps
+        if tensors and self._closed(trainer, step):
+            ps.log(
+                f"trainer {trainer}'s gradients of its step {step} came after that step was closed "
+                f"(its barrier counted); dropped: {', '.join(map(repr, tensors))}"
+            )
+            return
         everyone = set(range(ps.fanin))
         for grad, value in tensors.items():
             if grad in self.applied:
@@ -141,7 +159,12 @@ class SyncStrategy(Strategy):
             if senders == everyone:  # the common case: no trainer paused, done or gone
                 self._apply(grad)
 
-    def on_barrier(self, trainer: int) -> None:
+    def on_barrier(self, trainer: int, step: int) -> None:
+        if self._closed(trainer, step):  # counted once; a GET riding on it is answered as usual
+            self.ps.log(f"trainer {trainer}'s send barrier of its step {step} came again; ignored")
+            return
+        if step:
+            self.closed[trainer] = step
         self.arrived.add(trainer)
         self.awaiting[trainer] = self.completed + 1
         self._maybe_complete()
@@ -152,6 +175,10 @@ class SyncStrategy(Strategy):
     def forget(self, trainer: int) -> None:
         self.arrived.discard(trainer)
         self.awaiting.pop(trainer, None)
+        self.closed.pop(trainer, None)  # a new incarnation numbers its steps from 1
+
+    def _closed(self, trainer: int, step: int) -> bool:
+        return 0 < step <= self.closed.get(trainer, 0)
 
     def may_answer(self, trainer: int) -> bool:
         return self.completed >= self.awaiting.get(trainer, 0)
@@ -204,6 +231,9 @@ class AsyncStrategy(Strategy):
         self._stop = threading.Event()
         self._workers: list[threading.Thread] = []
         self._failure: BaseException | None = None
+        # Per gradient: how many were queued (by the loop) and applied (by its one worker).
+        self._queued: dict[str, int] = dict.fromkeys(ps.grad_block, 0)
+        self._applied: dict[str, int] = dict.fromkeys(ps.grad_block, 0)
 
     @property
     def steps(self) -> int:
@@ -224,10 +254,18 @@ class AsyncStrategy(Strategy):
         for worker in self._workers:
             worker.join(timeout=10)
 
-    def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> None:
+    def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> Callable[[], bool]:
         ps = self.ps
+        ticket = {}
         for grad, value in tensors.items():
             ps.blocks[ps.queue_block[grad]].run({grad: value})
+            self._queued[grad] += 1
+            ticket[grad] = self._queued[grad]
+        self._tick(trainer, step)
+        return lambda: all(self._applied[grad] >= n - ASYNC_BACKLOG for grad, n in ticket.items())
+
+    def _tick(self, trainer: int, step: int) -> None:
+        ps = self.ps
         if not ps.members.tick(trainer, step):
             return
         clock = ps.members.clock(trainer)
@@ -256,7 +294,10 @@ class AsyncStrategy(Strategy):
                         runner.run(LayeredEnv(ps.env, runner.writes))
                 except BaseException as e:  # reported by the serving loop, which stops the job
                     self._failure = e
+                    ps.wake()
                     return
+                self._applied[grad] += 1  # (this worker is its only writer)
+                ps.applied()
 
         thread = threading.Thread(target=work, name=f"optimize {grad}", daemon=True)
         thread.start()
@@ -286,9 +327,3 @@ class SspStrategy(AsyncStrategy):
 
 
 STRATEGIES: dict[str, type[Strategy]] = {s.mode: s for s in (SyncStrategy, AsyncStrategy, SspStrategy)}
-
-
-def _snapshot(value: Any) -> Any:
-    if isinstance(value, SelectedRows):
-        return value.copy()
-    return np.array(value, copy=True)

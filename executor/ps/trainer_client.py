@@ -17,7 +17,10 @@ TrainerChannel). A step costs each pserver as few round trips as the program all
 
 It also keeps what async mode keeps between steps (the gradients summed for
 `send_interval`, the values pulled for `recv_interval`), so that preparing the
-program again does not reset them, and it starts the trainer's keepalive.
+program again does not reset them, starts the trainer's keepalive, and, for async
+send ops that ask for it, the trainer's communicator (fluidps.executor.ps.communicator):
+their gradients are queued and sent from its thread, and their recv takes the values it
+last pulled in the background.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import numpy as np
 import zmq
 
 from fluidps.errors import TransportError
+from fluidps.executor.ps.communicator import Communicator
 from fluidps.executor.ps.gradients import GradientSum
 from fluidps.executor.ps.keepalive import Keepalive
 from fluidps.executor.transport.rpc import RpcClient, wait_all
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
-from fluidps.ops.runtime_api import Prefetch, Pull, Push
+from fluidps.ops.runtime_api import Communicate, Prefetch, Pull, Push
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.profiling import Profile
 
@@ -57,7 +61,9 @@ class TrainerClient:
         self._keepalive: Keepalive | None = None
         self._unsettled: list[tuple[RpcClient, int]] = []  # requests sent without waiting
         self._held: dict[str, Message] = {}  # per pserver: gradients (and the barrier) not sent yet
-        self._sums: dict[tuple, GradientSum] = {}  # async send_interval: gradients not yet sent
+        # async send_interval: gradients not yet sent, and whether they go by the communicator
+        self._sums: dict[tuple, tuple[GradientSum, Communicate | None]] = {}
+        self._communicator: Communicator | None = None
         self._barrier_endpoints: tuple[str, ...] = ()  # sync: the pservers a step's barrier goes to
         self._downloaded: dict[tuple, list[Any]] = {}  # async recv_interval: the last values pulled
 
@@ -91,19 +97,50 @@ class TrainerClient:
 
     # -- what the kernels call ----------------------------------------------------------------
 
-    def send(self, items: Sequence[Push], trainer_id: int, every: int = 1, bucket_bytes: int = 0) -> None:
+    def send(
+        self,
+        items: Sequence[Push],
+        trainer_id: int,
+        every: int = 1,
+        bucket_bytes: int = 0,
+        communicate: Communicate | None = None,
+    ) -> None:
         """Push (endpoint, name, value) gradients without waiting. They are held per pserver
         until `bucket_bytes` are (0: none are held), or until the step's next exchange with
-        that pserver. With every=n, the mean of the gradients of n calls is pushed at
-        every n-th call."""
+        that pserver; or, to `communicate`, queued for the communicator's thread. With
+        every=n, the mean of the gradients of n calls is pushed at every n-th call."""
         if every > 1:
             key = tuple((endpoint, name) for endpoint, name, _ in items)
-            total = self._sums.setdefault(key, GradientSum(trainer_id, key))
+            total, _ = self._sums.setdefault(key, (GradientSum(trainer_id, key), communicate))
             total.add([value for *_, value in items])
             if total.count < every:
                 return
             items = total.take_mean()
-        self._push(items, trainer_id, bucket_bytes)
+        self._deliver(items, trainer_id, bucket_bytes, communicate)
+
+    def _deliver(
+        self, items: Sequence[Push], trainer_id: int, bucket_bytes: int, communicate: Communicate | None
+    ) -> None:
+        if communicate is None:
+            self._push(items, trainer_id, bucket_bytes)
+        else:
+            self._communicator_for(trainer_id, communicate).put(items, self.step, communicate.merge)
+
+    def _communicator_for(self, trainer_id: int, communicate: Communicate) -> Communicator:
+        """The communicator, started by the first send that asks for it (its queue bounds
+        and merge size are that send op's: a transpiler gives every send op the same)."""
+        if self._communicator is None:
+            self._communicator = Communicator(
+                self.settings,
+                trainer_id,
+                self.sender,
+                self._context_for,
+                queue_size=communicate.queue_size,
+                max_merge=communicate.max_merge,
+                log_after=self.settings.send_queue_log_after,
+                profile=self.profile,
+            )
+        return self._communicator
 
     def _push(self, items: Sequence[Push], trainer_id: int, bucket_bytes: int = 0) -> None:
         for endpoint, name, value in items:
@@ -116,16 +153,30 @@ class TrainerClient:
         ]
         self._flush(full)
 
-    def get(self, items: Sequence[Pull], trainer_id: int, every: int = 1) -> list[Any]:
+    def get(
+        self, items: Sequence[Pull], trainer_id: int, every: int = 1, background: bool = False
+    ) -> list[Any]:
         """Pull (endpoint, name) values after this trainer's current step; with every=m,
         only at steps that are multiples of m (and the first time), the last ones otherwise.
-        To a pserver holding gradients or a barrier of this step, the GET rides on them."""
+        To a pserver holding gradients or a barrier of this step, the GET rides on them.
+        In the `background` (a communicator is running): the values of the last pull the
+        communicator finished, asking it for a new one every m steps; only the first pull
+        is waited for. A pull waited for comes after what the communicator holds is sent
+        and applied."""
         key = tuple(items)
+        if background and key in self._downloaded and self._communicator is not None:
+            if self.step % every == 0:
+                self._communicator.ask_pull(key, items)
+            latest = self._communicator.pulled(key)
+            if latest is not None:
+                self._downloaded[key] = latest
+            return self._downloaded[key]
         if every > 1 and key in self._downloaded and self.step % every:
             return self._downloaded[key]
+        if self._communicator is not None and not background:
+            self._communicator.drain()  # a pull waited for sees this trainer's gradients applied
         values = self._pull(items, trainer_id)
-        if every > 1:
-            self._downloaded[key] = values
+        self._downloaded[key] = values  # (the trainer program's recv starts from its startup's)
         return values
 
     def prefetch(self, items: Sequence[Prefetch], trainer_id: int) -> list[np.ndarray]:
@@ -173,6 +224,7 @@ class TrainerClient:
         pserver waits for it: in sync mode its barrier arrives and the step goes on with
         the others' gradients; otherwise an empty SEND moves its clock (SSP) with theirs."""
         if self._barrier_endpoints:
+            self.begin_step()  # a step of its own: its barrier is numbered after the last one
             self.send_barrier(self._barrier_endpoints, self.trainer_id)
             self._flush()
         else:
@@ -180,7 +232,10 @@ class TrainerClient:
 
     def pause(self) -> None:
         """Tell every pserver this trainer has no data for now: until it sends again, no
-        barrier waits for it (its next gradients resume it)."""
+        barrier waits for it (its next gradients resume it). What the communicator
+        holds goes first."""
+        if self._communicator is not None:
+            self._communicator.drain()
         self._to_all(Kind.PAUSE, list(self._clients), self.trainer_id)
 
     def settle(self) -> None:
@@ -248,10 +303,10 @@ class TrainerClient:
     def flush(self) -> list[str]:
         """Upload the gradients summed since the last send_interval upload; the problems met."""
         problems = []
-        for total in self._sums.values():  # the steps since the last upload count too
+        for total, communicate in self._sums.values():  # the steps since the last upload count too
             if total.count:
                 try:
-                    self._push(total.take_mean(), total.trainer_id)
+                    self._deliver(total.take_mean(), total.trainer_id, 0, communicate)
                 except TransportError as e:
                     problems.append(f"the last {total.count} step(s) of gradients were not sent: {e}")
         self._sums.clear()
@@ -260,8 +315,12 @@ class TrainerClient:
     def close(self, leaving: bool = False) -> list[str]:
         """Tell every pserver this trainer is done (or, `leaving` an elastic job before the
         end of its data, that it pauses: a restarted process takes its place), close the
-        sockets. Returns the problems met (a pserver already gone)."""
+        sockets. Returns the problems met (a pserver already gone). What the
+        communicator holds is sent first."""
         problems = []
+        if self._communicator is not None:
+            problems += self._communicator.close()
+            self._communicator = None
         try:
             self.settle()
         except TransportError as e:

@@ -12,7 +12,9 @@ state. ZeroMQ's own heartbeats run underneath to drop dead connections.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -263,6 +265,29 @@ class Request:
 class _ClientState:
     pending: set[int] = field(default_factory=set)
     replies: OrderedDict[int, list[Any]] = field(default_factory=OrderedDict)
+
+
+class Waker:
+    """Lets other threads end a server loop's wait (`RpcServer.receive(..., wake=waker.socket)`):
+    an inproc PULL the loop polls, fed by one PUSH that `wake` (thread-safe) writes to."""
+
+    def __init__(self, context: zmq.Context):
+        address = f"inproc://wake-{secrets.token_hex(8)}"
+        self.socket = context.socket(zmq.PULL)
+        self.socket.bind(address)
+        self._push = context.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 1)  # one pending wake says it all
+        self._push.connect(address)
+        self._lock = threading.Lock()
+
+    def wake(self) -> None:
+        with self._lock, contextlib.suppress(zmq.Again):  # Again: a wake is already pending
+            self._push.send(b"", zmq.NOBLOCK)
+
+    def close(self) -> None:
+        with self._lock:
+            self._push.close(linger=0)
+        self.socket.close(linger=0)
 
 
 class RpcServer:

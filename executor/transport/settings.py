@@ -25,6 +25,8 @@ class RpcSettings:
     # Trainers are disposable (a coordinator hands out the data): pservers evict a trainer
     # that goes silent and let a restarted one rejoin, instead of failing the job.
     elastic: bool = False
+    # An async trainer blocked on its communicator's full send queue logs it this often.
+    send_queue_log_after: float = 10.0
 
     def with_(self, **changes: Any) -> RpcSettings:
         return replace(self, **changes)

@@ -333,3 +333,58 @@ def test_a_gradient_sent_again_in_a_step_counts_once(tmp_path):
             assert len(dropped) == len(grads) and all("trainer 0's" in line for line in dropped)
     finally:
         context.term()
+
+
+def test_gradients_of_a_step_already_closed_are_dropped(tmp_path):
+    """Once a trainer's barrier of its step s is counted, whatever else it sends numbered
+    s or lower (a late or duplicated message with a new request id) belongs to a step
+    already closed: it is dropped with a log line, not mixed into the next step, and a
+    repeated barrier does not close a step on its own."""
+    first = {
+        "fc_0.w_0@GRAD": np.full((8, 16), 0.5, np.float32),
+        "fc_0.b_0@GRAD": np.full(16, 0.25, np.float32),
+        "fc_1.w_0@GRAD": np.full((16, 3), -1.0, np.float32),
+        "fc_1.b_0@GRAD": np.full(3, 2.0, np.float32),
+    }
+    second = {name: -3 * value for name, value in first.items()}
+    params = [g.removesuffix("@GRAD") for g in first]
+    context = zmq.Context()
+    try:
+        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+            sock.send_multipart(encode(Message(Kind.GET, names=params, request_id=1)))
+            before = _answer(sock)
+            assert before is not None and before.kind == Kind.VALUES
+            requests = [
+                Message(
+                    Kind.SEND, tensors=first, names=params, barrier=True, trainer_id=0, step=1, request_id=2
+                ),
+                # step 1 again, late: its gradients, then its barrier alone
+                Message(Kind.SEND, tensors=first, trainer_id=0, step=1, request_id=3),
+                Message(Kind.SEND, names=params, barrier=True, trainer_id=0, step=1, request_id=4),
+                Message(
+                    Kind.SEND, tensors=second, names=params, barrier=True, trainer_id=0, step=2, request_id=5
+                ),
+            ]
+            for msg in requests:
+                sock.send_multipart(encode(msg))
+            replies = [_answer(sock) for _ in requests]
+            assert [(r.kind, r.request_id) for r in replies] == [
+                (Kind.VALUES, 2),
+                (Kind.OK, 3),
+                (Kind.VALUES, 4),  # the values as they are: no step closed by it
+                (Kind.VALUES, 5),
+            ]
+            for name in params:  # SGD(0.2) of step 1's gradients once, then step 2's
+                after_one = before.tensors[name] - np.float32(0.2) * first[f"{name}@GRAD"]
+                np.testing.assert_allclose(replies[0].tensors[name], after_one, rtol=1e-6, err_msg=name)
+                np.testing.assert_allclose(replies[2].tensors[name], after_one, rtol=1e-6, err_msg=name)
+                after_two = after_one - np.float32(0.2) * second[f"{name}@GRAD"]
+                np.testing.assert_allclose(replies[3].tensors[name], after_two, rtol=1e-6, err_msg=name)
+            sock.send_multipart(encode(Message(Kind.STATS, request_id=6)))
+            stats = json.loads(_answer(sock).text)
+            assert stats["completed_steps"] == 2
+            dropped = [line for line in stats["log"] if "after that step was closed" in line]
+            assert len(dropped) == 1 and "its step 1" in dropped[0] and "'fc_0.w_0@GRAD'" in dropped[0]
+            assert any("send barrier of its step 1 came again; ignored" in line for line in stats["log"])
+    finally:
+        context.term()

@@ -23,6 +23,7 @@ from job_harness import PserverThreads
 
 import fluidps
 from fluidps import layers
+from fluidps.executor.ps.strategies import ASYNC_BACKLOG
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -112,8 +113,10 @@ def endpoints() -> list[str]:
 def transpile(kind: str, n: int, m: int):
     main, startup, loss = MODELS[kind]()
     eps = endpoints()
+    # Without the communicator: every send and pull happens in its step, so when each
+    # goes is exact (tests/unit/test_communicator.py has the communicator's).
     config = fluidps.DistributeTranspilerConfig(
-        mode="async", send_interval=n, recv_interval=m, min_block_size=8
+        mode="async", send_interval=n, recv_interval=m, min_block_size=8, communicator=False
     )
     t = fluidps.DistributeTranspiler(config)
     t.transpile(0, main, ",".join(eps), trainers=1, startup_program=startup)
@@ -343,51 +346,60 @@ def test_intervals_do_not_depend_on_the_fetch_list(fetch_lists):
             assert_same(pushed[s.grad], want, f"{s.grad} sent at step {step}")
 
 
-def test_gradients_queued_when_the_trainer_completes_are_still_applied():
-    """An async pserver acknowledges a SEND when it queues the gradient; a worker applies
-    it later. If the workers are busy (a slow optimize step, here: the test holds their
-    locks) when the last trainer says COMPLETE, the gradients still queued must be
-    applied before the pserver stops (and writes its final checkpoint), not dropped."""
+def test_a_send_is_acknowledged_once_its_gradients_are_applied():
+    """An async pserver queues a gradient and a worker applies it; the SEND is
+    acknowledged once at most ASYNC_BACKLOG gradients queued up to it are still to be
+    applied, so a trainer never runs far ahead of its pservers (their queues stay
+    short). Here the workers are held (the test takes their locks): the SENDs within
+    the backlog are acknowledged, the next is not, and the trainer's close, which waits
+    for every acknowledgement before saying COMPLETE, waits until the workers are
+    released. Every gradient is applied."""
     main, _, loss, eps, t = transpile("dense", 1, 10)
     params = [p.name for p in main.all_parameters()]
     servers = PserverThreads(t, eps, SETTINGS, wait=WAIT)
     exe = servers.trainer_executor()
     recorder = Recorder(exe.runtime.trainer)
     held: list[threading.Lock] = []
-    problems: list[str] = ["not closed"]
+    events: list[str] = []
+    steps = 2 + ASYNC_BACKLOG
     try:
         exe.run(t.get_trainer_startup_program())
         initial = {p: np.array(exe.scope[p], copy=True) for p in params}
         loops = {ep: servers.server(ep) for ep in eps}  # they outlive their executors' runtimes
-        queues = {
-            g: servers.executors[ep].runtime.pserver.queue(g) for ep in eps for g in loops[ep].grad_block
-        }
         trainer = t.get_trainer_program()
         exe.run(trainer, feed=batch("dense", 1), fetch_list=[loss])  # step 1: SEND (no GET: recv_interval 10)
+        exe.runtime.trainer.settle()  # acknowledged
         for ep in eps:
-            servers.drain(ep)
+            servers.drain(ep)  # and applied
             for lock in loops[ep].locks.values():
                 assert lock.acquire(timeout=WAIT)
                 held.append(lock)
-        # Steps 2 and 3: two more SENDs acknowledged (queued), no GET (recv_interval 10).
-        for step in (2, 3):
+        # Each step's start waits for the SEND of the step before: within the backlog, acknowledged.
+        for step in range(2, steps + 1):
             exe.run(trainer, feed=batch("dense", step), fetch_list=[loss])
-        assert [s for s, _ in recorder.sends] == [1, 2, 3] and [s for s, _, _ in recorder.gets] == [0]
-        problems = exe.close()  # COMPLETE: every SEND was acknowledged before it
         deadline = time.monotonic() + WAIT
-        # The loops stop taking requests, then finish (workers held: queued gradients wait).
-        while not all(loop.ended.is_set() for loop in loops.values()) and time.monotonic() < deadline:
+        while not all(loop.unapplied for loop in loops.values()) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert all(loop.ended.is_set() for loop in loops.values()), "the pserver loops did not end"
+        assert all(len(loop.unapplied) == 1 for loop in loops.values())  # the last step's: not acknowledged
+
+        closing = threading.Thread(target=lambda: events.append(f"closed {exe.close()}"), daemon=True)
+        closing.start()
+        closing.join(0.5)
+        events.append("released")
+        for lock in held:
+            lock.release()
+        held = []
+        closing.join(WAIT)
+        assert events == ["released", "closed []"]  # the close waited for the acknowledgements
     finally:
         for lock in held:
             lock.release()
-        if problems == ["not closed"]:
+        if not events:
             exe.close()
         servers.join()
-    assert problems == []
-    left = {g: len(q) for g, q in queues.items() if len(q)}
-    assert not left, f"gradients acknowledged but still queued when the pservers stopped: {left}"
+    assert [s for s, _ in recorder.sends] == list(range(1, steps + 1)) and [
+        s for s, _, _ in recorder.gets
+    ] == [0]
     lr = np.float32(LR["dense"])
     for s in t.plan.slices:
         total = sum(v for _, items in recorder.sends for _, name, v in items if name == s.grad)

@@ -113,13 +113,16 @@ def test_distributed_bench_quick_smoke_run():
     training = [r for r in rest if r["bench"] == "digits_mlp"]
     bandwidth = [r for r in rest if r["bench"] == "bandwidth"]
     assert len(training) + len(bandwidth) == len(rest)
-    assert [(r["mode"], r["trainers"], r["pservers"], r["impl"]) for r in training] == [
-        ("local", 1, 0, "fluidps"),
-        ("sync", 1, 1, "fluidps"),
+    assert [(r["mode"], r["trainers"], r["pservers"], r.get("runner")) for r in training] == [
+        ("local", 1, 0, None),
+        ("sync", 1, 1, "RemoteExecutor"),
+        ("sync", 1, 1, "fluidps launch"),  # the same job, each trainer feeding itself
     ]
     common = {"global_batch", "samples_per_s", "steps", "loss", "model", "optimizer", "processes", "cores"}
-    local, job = training
+    local, job, launched = training
     assert common <= set(local) and common | {"warmup_steps", "setup_s", "stats_ms", "vs_local"} <= set(job)
+    assert common | {"warmup_steps", "wall_s", "vs_local"} <= set(launched)
+    assert launched["steps"] == job["steps"] and launched["samples_per_s"] > 0 and launched["loss"] > 0
     assert "stats_error" not in job  # the sync job's pserver_stats() answered and matched its steps
     assert (local["processes"], job["processes"]) == (1, 3)
     for r in training:
@@ -138,7 +141,17 @@ def test_distributed_bench_quick_smoke_run():
 
 
 def test_distributed_bench_runs_the_ctr_model_with_a_distributed_table():
-    args = ["--quick", "--models", "ctr_distributed", "--topologies", "1x1", "--modes", "sync"]
+    args = [
+        "--quick",
+        "--models",
+        "ctr_distributed",
+        "--topologies",
+        "1x1",
+        "--modes",
+        "sync",
+        "--runners",
+        "RemoteExecutor",
+    ]
     rows = bench("distributed", *args, "--ctr-vocab", "2600,5200", "--no-torch", "--bandwidth-mib", "1")
     training = [r for r in rows if r.get("bench") == "ctr_distributed"]
     assert [(r["mode"], r["table"]) for r in training] == [
@@ -154,7 +167,17 @@ def test_distributed_bench_runs_the_ctr_model_with_a_distributed_table():
 
 
 def test_distributed_bench_profiles_every_process_of_a_job():
-    args = ["--quick", "--models", "ctr_distributed", "--topologies", "1x1", "--modes", "sync,async"]
+    args = [
+        "--quick",
+        "--models",
+        "ctr_distributed",
+        "--topologies",
+        "1x1",
+        "--modes",
+        "sync,async",
+        "--runners",
+        "RemoteExecutor",
+    ]
     rows = bench(
         "distributed", *args, "--ctr-vocab", "2600", "--no-torch", "--bandwidth-mib", "1", "--profile"
     )
@@ -171,7 +194,17 @@ def test_distributed_bench_profiles_every_process_of_a_job():
 
 
 def test_distributed_bench_runs_the_ctr_model_over_a_hashed_table():
-    args = ["--quick", "--models", "ctr_hashed", "--topologies", "1x1", "--modes", "sync"]
+    args = [
+        "--quick",
+        "--models",
+        "ctr_hashed",
+        "--topologies",
+        "1x1",
+        "--modes",
+        "sync",
+        "--runners",
+        "RemoteExecutor",
+    ]
     rows = bench("distributed", *args, "--no-torch", "--bandwidth-mib", "1", "--hashed-ids", "3000")
     training = [r for r in rows if r.get("bench") == "ctr_hashed"]
     assert [r["mode"] for r in training] == ["local", "sync"]

@@ -1,0 +1,95 @@
+"""bench.distributed's training rows the Fluid way: this script is what `fluidps launch`
+runs in every process of the job (no client process; each trainer feeds itself).
+
+    python -m fluidps launch --pservers 1 --trainers 2 --mode sync bench/launched.py \\
+        --workload digits_mlp --out DIR [--steps 100 --repeats 3 --warmup 20] [--communicator]
+
+A pserver serves; trainer i runs the trainer program on its rows of each of the
+workload's global batches (rows i*B/T .. (i+1)*B/T - 1, as RemoteExecutor splits a fed
+batch), `warmup` steps, then `repeats` timed windows of `steps` steps, and writes its
+steps per second of each window to DIR/trainer.<i>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package, run as a script
+
+import fluidps
+from bench.distributed import ctr_hashed_workload, ctr_workload, digits_workload
+
+
+def workload(args: argparse.Namespace):
+    if args.workload == "digits_mlp":
+        return digits_workload(args.batch, args.steps)
+    if args.workload == "ctr_hashed":
+        return ctr_hashed_workload(args.batch, args.steps)
+    return ctr_workload(args.batch, args.steps, args.vocab, args.workload == "ctr_distributed")
+
+
+def rows_of(batch: dict, trainer: int, trainers: int) -> dict:
+    size = len(next(iter(batch.values()))) // trainers
+    return {name: value[trainer * size : (trainer + 1) * size] for name, value in batch.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch", type=int, default=128, help="the global batch")
+    parser.add_argument("--vocab", type=int, default=100_000)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument(
+        "--communicator", action="store_true", help="async: DistributeTranspilerConfig.communicator"
+    )
+    args = parser.parse_args()
+
+    role = fluidps.role_from_env()
+    w = workload(args)
+    main_program, startup, loss = w.build()
+    config = fluidps.DistributeTranspilerConfig(mode=role.mode, communicator=args.communicator)
+    t = fluidps.DistributeTranspiler(config)
+    t.transpile(
+        role.trainer_id,
+        main_program,
+        pservers=",".join(role.pserver_endpoints),
+        trainers=role.trainers,
+        startup_program=startup,
+    )
+    exe = fluidps.Executor()
+    if role.is_pserver:
+        pserver, pserver_startup = t.get_pserver_programs(role.current_endpoint)
+        exe.run(pserver_startup)
+        exe.run(pserver)  # serves until every trainer is done
+        return
+    program = t.get_trainer_program()
+    feeds = [rows_of(b, role.trainer_id, role.trainers) for b in w.batches]
+    rates, last = [], None
+    try:
+        exe.run(t.get_trainer_startup_program())
+        for i in range(args.warmup):
+            exe.run(program, feed=feeds[i % len(feeds)], fetch_list=[loss])
+        for r in range(args.repeats):
+            began = time.perf_counter()
+            for i in range(args.steps):
+                (last,) = exe.run(program, feed=feeds[(r * args.steps + i) % len(feeds)], fetch_list=[loss])
+            rates.append(args.steps / (time.perf_counter() - began))
+    finally:
+        for problem in exe.close():
+            print(f"warning: {problem}", file=sys.stderr, flush=True)
+    batch = len(next(iter(feeds[0].values())))
+    result = {"trainer_id": role.trainer_id, "steps_per_s": rates, "batch": batch, "loss": float(last)}
+    (args.out / f"trainer.{role.trainer_id}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
