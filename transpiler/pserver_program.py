@@ -4,8 +4,9 @@ Main program: block 0 declares the slices this pserver owns and holds one
 listen_and_serv op; sub-blocks hold the work it runs:
 - the learning-rate block (op_role LRSched ops), once per step;
 - one optimize block per slice: merge the gradient (sync: the trainers'
-  copies `w@GRAD.block0.trainer_<i>` summed and scaled by 1/trainers;
-  async / SSP: dequeued from the gradient's queue), then the slice's
+  copies `w@GRAD.block0.trainer_<i>` summed and scaled by 1/trainers, or, with
+  one trainer, its gradient as it is; async / SSP: dequeued from the gradient's
+  queue), then the slice's
   weight decay and optimizer ops on the slice and its sliced accumulators;
 - async / SSP: one receive block per gradient that enqueues what arrives.
 Blocks of distributed tables are listed in `distributed_tables`: trainers
@@ -98,7 +99,9 @@ class _PserverBuilder:
         block = self.sub_block()
         role_var = [s.name, s.grad]
         queue_block = None
-        if self.config.mode == "sync":
+        if self.config.mode == "sync" and self.trainers == 1:
+            pass  # the one trainer's gradient is optimized as it arrives: nothing to merge
+        elif self.config.mode == "sync":
             copies = [f"{s.grad}.trainer_{t}" for t in range(self.trainers)]
             for name in copies:
                 self.declare_like(name, update.grad, shape=grad_shape, type=grad_type)

@@ -113,6 +113,7 @@ class ParameterServer:
         }
         lr = op.attr("lr_decay_block_id")
         self.lr_block = host.runner_for(program.block(lr)) if lr >= 0 else None
+        self.declared = set(program.global_block().vars)
         self.served = {n for n, v in program.global_block().vars.items() if v.persistable}
         self.tables = set(op.attr("distributed_tables"))  # whose rows trainers PREFETCH
         unserved = sorted(self.tables - self.served)

@@ -1,6 +1,7 @@
 """How a pserver applies gradients and when it answers a GET: one class per mode.
 
-- sync: trainer i's gradient of a slice lands in `<grad>.trainer_<i>`. A slice whose
+- sync: trainer i's gradient of a slice lands in `<grad>.trainer_<i>` (in `<grad>`
+  itself when the job has one trainer). A slice whose
   gradient every trainer of the job has sent is optimized at once (the learning-rate
   block first, once a step), while the trainers still compute the gradients of the
   layers below. When every live trainer has sent its send barrier for the step, the
@@ -126,6 +127,12 @@ class SyncStrategy(Strategy):
         # numbered that or lower belongs to a step already closed (0: unnumbered, not checked).
         self.closed: dict[int, int] = {}
         self.completed = 0  # optimization steps done
+        # Where each trainer's gradient of a slice lands: its own copy, which the optimize
+        # block sums; a job of one trainer has no copies, its gradient is optimized as it is.
+        self.copies = {
+            g: [c if (c := f"{g}.trainer_{t}") in ps.declared else g for t in range(ps.fanin)]
+            for g in ps.grad_block
+        }
 
     @property
     def steps(self) -> int:
@@ -152,7 +159,7 @@ class SyncStrategy(Strategy):
                     "every trainer's; dropped (a resent message, or a restarted trainer)"
                 )
                 continue
-            ps.env[f"{grad}.trainer_{trainer}"] = value
+            ps.env[self.copies[grad][trainer]] = value
             self.sent.add(trainer)
             senders = self.senders.setdefault(grad, set())
             senders.add(trainer)
@@ -210,9 +217,9 @@ class SyncStrategy(Strategy):
             # barrier with no batch) count as the mean of those that did, so the optimize
             # blocks' sum / trainers is the mean of the gradients that came.
             for grad in waiting if missing else ():
-                mean = gradients.mean([ps.env[f"{grad}.trainer_{t}"] for t in sorted(contributors)])
+                mean = gradients.mean([ps.env[self.copies[grad][t]] for t in sorted(contributors)])
                 for t in missing:
-                    ps.env[f"{grad}.trainer_{t}"] = mean
+                    ps.env[self.copies[grad][t]] = mean
             for grad in waiting:
                 self._apply(grad)
         self.completed += 1  # (a step nobody brought gradients to changes nothing)
