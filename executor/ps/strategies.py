@@ -211,17 +211,29 @@ class SyncStrategy(Strategy):
             return
         contributors = self.arrived & self.sent
         if contributors:
-            missing = set(range(ps.fanin)) - contributors
+            everyone = set(range(ps.fanin))
             waiting = sorted((g for g in ps.grad_block if g not in self.applied), key=ps.grad_block.get)
-            # Trainers that sent no gradients this step (paused, done, evicted, or at the
-            # barrier with no batch) count as the mean of those that did, so the optimize
-            # blocks' sum / trainers is the mean of the gradients that came.
-            for grad in waiting if missing else ():
-                mean = gradients.mean([ps.env[self.copies[grad][t]] for t in sorted(contributors)])
-                for t in missing:
-                    ps.env[self.copies[grad][t]] = mean
+            unsent = []
             for grad in waiting:
+                have = self.senders.get(grad, set()) & contributors
+                if not have:  # its copies hold an earlier step's gradient: not applied again
+                    unsent.append(grad)
+                    continue
+                # Trainers that sent no gradient of it this step (paused, done, evicted, at
+                # the barrier with no batch, or sending no such gradient) count as the mean
+                # of those that did, so the optimize block's sum / trainers is their mean.
+                missing = everyone - have
+                if missing:
+                    mean = gradients.mean([ps.env[self.copies[grad][t]] for t in sorted(have)])
+                    for t in missing:
+                        ps.env[self.copies[grad][t]] = mean
                 self._apply(grad)
+            if unsent:
+                ps.log(
+                    f"step {self.completed + 1}: trainers {sorted(contributors)} sent no gradient of "
+                    f"{', '.join(map(repr, unsent))}; those slices stay as they were (does every trainer "
+                    "run the trainer program transpiled with this pserver's?)"
+                )
         self.completed += 1  # (a step nobody brought gradients to changes nothing)
         self.arrived.clear()
         self.sent -= contributors

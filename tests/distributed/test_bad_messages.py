@@ -388,3 +388,43 @@ def test_gradients_of_a_step_already_closed_are_dropped(tmp_path):
             assert any("send barrier of its step 1 came again; ignored" in line for line in stats["log"])
     finally:
         context.term()
+
+
+def test_a_step_without_a_gradient_leaves_its_slice_as_it_was(tmp_path):
+    """A trainer's barrier that comes without one of the gradients this pserver
+    optimizes (a trainer program that does not match): the step completes with the
+    others, that slice keeps its value (its copy holds the step before's gradient,
+    which is not applied again), and the pserver says which gradient it missed."""
+    grads = {
+        "fc_0.w_0@GRAD": np.full((8, 16), 0.5, np.float32),
+        "fc_0.b_0@GRAD": np.full(16, 0.25, np.float32),
+        "fc_1.w_0@GRAD": np.full((16, 3), -1.0, np.float32),
+        "fc_1.b_0@GRAD": np.full(3, 2.0, np.float32),
+    }
+    partial = {name: value for name, value in grads.items() if name != "fc_1.b_0@GRAD"}
+    params = [g.removesuffix("@GRAD") for g in grads]
+    context = zmq.Context()
+    try:
+        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+            steps = [
+                Message(
+                    Kind.SEND, tensors=grads, names=params, barrier=True, trainer_id=0, step=1, request_id=1
+                ),
+                Message(
+                    Kind.SEND, tensors=partial, names=params, barrier=True, trainer_id=0, step=2, request_id=2
+                ),
+            ]
+            for msg in steps:
+                sock.send_multipart(encode(msg))
+            first, second = (_answer(sock) for _ in steps)
+            assert (first.kind, second.kind) == (Kind.VALUES, Kind.VALUES)
+            np.testing.assert_array_equal(second.tensors["fc_1.b_0"], first.tensors["fc_1.b_0"])
+            for name in params[:-1]:  # updated again
+                assert not np.allclose(second.tensors[name], first.tensors[name]), name
+            sock.send_multipart(encode(Message(Kind.STATS, request_id=3)))
+            stats = json.loads(_answer(sock).text)
+            assert stats["completed_steps"] == 2
+            (line,) = [line for line in stats["log"] if "sent no gradient of" in line]
+            assert "step 2" in line and "'fc_1.b_0@GRAD'" in line
+    finally:
+        context.term()
