@@ -468,9 +468,13 @@ class ParameterServer:
                 raise ExecutionError(
                     f"cannot set {name!r}: got {value.dtype}{list(value.shape)}, it is {current.dtype}{list(current.shape)}"
                 )
+        # A value that came over TCP is this process's own memory (its frame): the pserver
+        # keeps it as it is. An inproc frame may be the sender's array itself: copied.
+        own = not self.server.address.startswith("inproc://")
         for name, value in request.msg.tensors.items():
+            keep = own and isinstance(value, np.ndarray) and value.flags.writeable and value.flags.aligned
             with self.locked(name):
-                self.env[name] = np.array(value, copy=True)
+                self.env[name] = value if keep else np.array(value, copy=True)
         self.server.reply(request)
 
     def locked(self, name: str) -> contextlib.AbstractContextManager:

@@ -3,8 +3,9 @@
 A message is a list of ZeroMQ frames: frame 0 is a `wire.Header` protobuf;
 then one raw little-endian frame per dense tensor, two per SelectedRows
 (int64 rows, then values), then `blobs` opaque frames (program bytes).
-Arrays are sent without copying and received as read-only views of the
-frames. Decoding trusts nothing: every name, dtype, shape and byte count is
+Arrays are sent without copying and received as views of the frames (read-only
+when the frame is bytes; a zmq.Frame's memory is the receiver's to keep, except over
+inproc://, where it may be the sender's array itself). Decoding trusts nothing: every name, dtype, shape and byte count is
 checked before an array is made, and anything off raises WireError.
 """
 

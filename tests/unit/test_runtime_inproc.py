@@ -20,6 +20,7 @@ from fluidps.errors import ExecutionError, PeerLostError, RemoteError, Transport
 from fluidps.executor.executor import PreparedProgram
 from fluidps.executor.ps.host import GradientQueue
 from fluidps.executor.runtime import Runtime, RuntimeConfig
+from fluidps.executor.transport.rpc import RpcClient
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 from helpers import build_mlp
@@ -286,3 +287,45 @@ def test_a_communication_op_built_without_a_runtime_names_itself():
     t.transpile(0, main, "127.0.0.1:6174", trainers=1, startup_program=startup)
     with pytest.raises(ExecutionError, match=r"op #\d+ \(send\): op 'send' takes part in a distributed job"):
         PreparedProgram(t.get_trainer_program(), [])  # an Executor would have given it one
+
+
+@pytest.mark.parametrize("job_endpoints", ["inproc", "tcp"], indirect=True)
+def test_a_value_set_on_a_pserver_is_its_own(job_endpoints):
+    """A SET's value is kept without a copy when it came over TCP (the frame is the
+    pserver's memory) and copied over inproc (the frame may be the sender's array): either
+    way, what the sender does with its array afterwards, and what the pserver's optimizer
+    does to its value, do not reach each other."""
+    main, startup, loss = build_mlp(
+        hidden=512, classes=3
+    )  # a 64 x 512 weight: frames past zmq's copy threshold
+    with fluidps.program_guard(main, startup):
+        fluidps.optimizer.SGD(0.1).minimize(loss)
+    eps = job_endpoints
+    t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(slice_var_up=False))
+    t.transpile(0, main, ",".join(eps), trainers=1, startup_program=startup)
+    servers = PserverThreads(t, eps, SETTINGS)
+    exe = servers.trainer_executor()
+    client = None
+    try:
+        exe.run(t.get_trainer_startup_program())
+        whole = max(t.plan.slices, key=lambda s: s.rows * (s.shape[1] if len(s.shape) > 1 else 1))
+        assert np.prod(whole.shape) * 4 > zmq.COPY_THRESHOLD
+        sent = np.full(whole.shape, 0.25, np.float32)
+        client = RpcClient(servers.context, whole.endpoint, "pserver", SETTINGS)
+        client.call(Message(Kind.SET, tensors={whole.name: sent}))
+        sent[...] = 7.0  # the sender reuses its array
+        (got,) = client.call(Message(Kind.GET, names=[whole.name])).tensors.values()
+        got = np.array(got, copy=True)  # (over inproc, a reply may be the pserver's array itself)
+        np.testing.assert_array_equal(got, np.full(whole.shape, 0.25, np.float32))
+        exe.run(t.get_trainer_startup_program())  # the trainer pulls it, then trains on it
+        feed = {"x": np.ones((4, 64), np.float32), "y": np.zeros((4, 1), np.int64)}
+        exe.run(t.get_trainer_program(), feed=feed, fetch_list=[loss])
+        (after,) = client.call(Message(Kind.GET, names=[whole.name])).tensors.values()
+        assert not np.array_equal(after, got)  # the optimizer updated the pserver's value...
+        np.testing.assert_array_equal(sent, np.full(whole.shape, 7.0, np.float32))  # ...not the sender's
+    finally:
+        if client is not None:
+            client.close()
+        problems = exe.close()
+        servers.join()
+    assert problems == []
