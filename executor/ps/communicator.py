@@ -74,7 +74,7 @@ class Communicator:
         self._sending = False  # a round of gradients is on its way
         self._failure: BaseException | None = None
         self._stopping = False
-        self.rounds = 0  # rounds sent (what tests and the profile read)
+        self.rounds = 0  # rounds sent, for inspection
         self.merged = 0  # gradients that went in them
         self._thread = threading.Thread(
             target=self._run, name=f"communicator trainer {trainer_id}", daemon=True

@@ -4,8 +4,9 @@ It receives requests, keeps track of the trainers, and hands each event to the
 strategy of its mode (fluidps.executor.ps.strategies: sync, async, ssp), which
 applies gradients and says when a GET may be answered; GETs that may not be
 answered yet wait in `deferred`, and async SENDs whose gradients are not applied
-yet in `unapplied` (optimize workers wake the loop when they apply one). A PREFETCH (rows of a distributed table's block,
-by index) is a pull like a GET: checked, then answered when a GET would be.
+yet in `unapplied` (optimize workers wake the loop when they apply one). A
+PREFETCH (rows of a distributed table's block, by index) is a pull like a GET:
+checked, then answered when a GET would be.
 
 Trainers are tracked by `Membership`: a trainer silent (no message, no
 keepalive) for the peer timeout is evicted in an elastic job and fails the job,

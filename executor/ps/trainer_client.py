@@ -65,7 +65,8 @@ class TrainerClient:
         self._sums: dict[tuple, tuple[GradientSum, Communicate | None]] = {}
         self._communicator: Communicator | None = None
         self._barrier_endpoints: tuple[str, ...] = ()  # sync: the pservers a step's barrier goes to
-        self._downloaded: dict[tuple, list[Any]] = {}  # async recv_interval: the last values pulled
+        # The last values pulled by each recv: async recv_interval and the communicator reuse them
+        self._downloaded: dict[tuple, list[Any]] = {}
 
     def client(self, endpoint: str, trainer_id: int = -1) -> RpcClient:
         if endpoint not in self._clients:

@@ -282,7 +282,8 @@ class Waker:
 
     def wake(self) -> None:
         with self._lock, contextlib.suppress(zmq.Again):  # Again: a wake is already pending
-            self._push.send(b"", zmq.NOBLOCK)
+            if not self._push.closed:  # (a thread outliving the loop wakes nothing)
+                self._push.send(b"", zmq.NOBLOCK)
 
     def close(self) -> None:
         with self._lock:
