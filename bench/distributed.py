@@ -80,13 +80,15 @@ import zmq  # noqa: E402
 import fluidps  # noqa: E402
 from bench.local import load_torch, timed, torch_classifier, torch_ctr  # noqa: E402
 from bench.sparse_update import median_ms  # noqa: E402
+from bench.workloads import (  # noqa: E402
+    CTR_VOCAB,
+    Workload,
+    ctr_hashed_workload,
+    ctr_workload,
+    digits_workload,
+)
 from fluidps import layers, optimizer  # noqa: E402
 from fluidps.profiling import per_step  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import ctr_embedding  # noqa: E402
-import ctr_hashed  # noqa: E402
-import digits_mlp  # noqa: E402
 
 CORES = os.cpu_count() or 1
 MIB = 1 << 20
@@ -99,72 +101,6 @@ MODES = ("sync", "async", "async+communicator")
 def job_config(mode: str) -> fluidps.DistributeTranspilerConfig:
     mode, _, communicator = mode.partition("+")
     return fluidps.DistributeTranspilerConfig(mode=mode, communicator=communicator == "communicator")
-
-
-@dataclass
-class Workload:
-    name: str
-    build: Callable[[], tuple[fluidps.Program, fluidps.Program, fluidps.Variable]]  # main, startup, loss
-    batches: list[dict[str, np.ndarray]]
-    steps: int  # per timed window
-    info: dict  # extra row fields
-    launch_args: tuple[str, ...]  # what bench/launched.py needs to build the same workload
-
-
-def digits_workload(batch: int, steps: int) -> Workload:
-    x, _, y, _ = digits_mlp.load_data(0)
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(8):
-        idx = rng.choice(len(x), batch, replace=False)
-        batches.append({"image": x[idx], "label": y[idx]})
-
-    def build():
-        main, startup, _, loss, _ = digits_mlp.build()
-        return main, startup, loss
-
-    info = {"model": "64-256-256-10", "optimizer": "adam"}
-    return Workload(
-        "digits_mlp", build, batches, steps, info, ("--workload", "digits_mlp", "--batch", str(batch))
-    )
-
-
-def ctr_workload(batch: int, steps: int, vocab: int, distributed_table: bool = False) -> Workload:
-    """The CTR model with a `vocab`-row table; `distributed_table`: marked is_distributed,
-    so that jobs keep it on the pservers and prefetch rows (the local rows do not change)."""
-    ctr_embedding.VOCAB, ctr_embedding.PER_FIELD = vocab, vocab // ctr_embedding.FIELDS
-    world = ctr_embedding.ClickWorld()
-    batches = [world.sample(batch, seed=100 + i) for i in range(8)]
-
-    def build():
-        ctr_embedding.VOCAB, ctr_embedding.PER_FIELD = vocab, vocab // ctr_embedding.FIELDS
-        main, startup, _, loss, _ = ctr_embedding.build(distributed_table=distributed_table)
-        return main, startup, loss
-
-    info = {
-        "table": f"{vocab}x8",
-        "fields": ctr_embedding.FIELDS,
-        "optimizer": "lazy adam",
-        "distributed_table": distributed_table,
-    }
-    name = "ctr_distributed" if distributed_table else "ctr_embedding"
-    launch_args = ("--workload", name, "--batch", str(batch), "--vocab", str(vocab))
-    return Workload(name, build, batches, steps, info, launch_args)
-
-
-def ctr_hashed_workload(batch: int, steps: int) -> Workload:
-    """The CTR model over raw feature hashes, its table sharded over the pservers by id."""
-    world = ctr_hashed.HashedClickWorld()
-    batches = [world.sample(batch, seed=100 + i) for i in range(8)]
-
-    def build():
-        main, startup, _, loss, _ = ctr_hashed.build()
-        return main, startup, loss
-
-    info = {"table": "hashed x8", "fields": ctr_hashed.FIELDS, "optimizer": "adam (per-row state)"}
-    return Workload(
-        "ctr_hashed", build, batches, steps, info, ("--workload", "ctr_hashed", "--batch", str(batch))
-    )
 
 
 def training_row(w: Workload, mode: str, trainers: int, pservers: int, rate: float, **extra) -> dict:
@@ -287,17 +223,9 @@ def run_launched(
     their rows a step)."""
     with tempfile.TemporaryDirectory() as out:
         command = [
-            *(
-                sys.executable,
-                "-m",
-                "fluidps",
-                "launch",
-                "--pservers",
-                str(pservers),
-                "--trainers",
-                str(trainers),
-            ),
-            *("--mode", job_config(mode).mode, str(LAUNCHED), *w.launch_args, "--out", out),
+            *(sys.executable, "-m", "fluidps", "launch"),
+            *("--pservers", str(pservers), "--trainers", str(trainers), "--mode", job_config(mode).mode),
+            *(str(LAUNCHED), *w.launch_args, "--out", out),
             *(["--communicator"] if job_config(mode).communicator else []),
             *("--steps", str(w.steps), "--repeats", str(repeats), "--warmup", str(1 + warmup)),
         ]
@@ -586,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--digits-batch", type=int, default=128)
     parser.add_argument("--ctr-batch", type=int, default=512)
     parser.add_argument(
-        "--ctr-vocab", default=str(ctr_embedding.VOCAB), help="rows of the CTR table; a comma list runs each"
+        "--ctr-vocab", default=str(CTR_VOCAB), help="rows of the CTR table; a comma list runs each"
     )
     parser.add_argument("--bandwidth-mib", type=int, default=16)
     parser.add_argument(
@@ -618,7 +546,7 @@ def main(argv: list[str] | None = None) -> None:
     repeats, warmup, scale = args.repeats, 5, args.scale
     if args.quick:
         repeats, warmup, scale = 1, 2, 0.05
-        if args.ctr_vocab == str(ctr_embedding.VOCAB):
+        if args.ctr_vocab == str(CTR_VOCAB):
             args.ctr_vocab = "100000"
     torch = None if args.no_torch else load_torch()
     if args.topologies is None:

@@ -21,15 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package, run as a script
 
 import fluidps
-from bench.distributed import ctr_hashed_workload, ctr_workload, digits_workload
-
-
-def workload(args: argparse.Namespace):
-    if args.workload == "digits_mlp":
-        return digits_workload(args.batch, args.steps)
-    if args.workload == "ctr_hashed":
-        return ctr_hashed_workload(args.batch, args.steps)
-    return ctr_workload(args.batch, args.steps, args.vocab, args.workload == "ctr_distributed")
+from bench.workloads import make
 
 
 def rows_of(batch: dict, trainer: int, trainers: int) -> dict:
@@ -54,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     role = fluidps.role_from_env()
-    w = workload(args)
+    w = make(args.workload, args.batch, args.steps, args.vocab)
     main_program, startup, loss = w.build()
     config = fluidps.DistributeTranspilerConfig(mode=role.mode, communicator=args.communicator)
     t = fluidps.DistributeTranspiler(config)

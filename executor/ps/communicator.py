@@ -41,8 +41,6 @@ from fluidps.profiling import Profile
 
 log = logging.getLogger(__name__)
 
-MERGES = ("sum", "mean")
-
 Key = tuple[str, str]  # (pserver endpoint, the gradient's name there)
 
 
@@ -58,8 +56,6 @@ class Communicator:
         log_after: float,
         profile: Profile | None = None,
     ):
-        if queue_size < 1 or max_merge < 1:
-            raise ValueError(f"queue_size and max_merge must be >= 1, got {queue_size} and {max_merge}")
         self.settings = settings
         self.trainer_id, self.sender = trainer_id, sender
         self.queue_size, self.max_merge, self.log_after = queue_size, max_merge, log_after
@@ -74,8 +70,6 @@ class Communicator:
         self._sending = False  # a round of gradients is on its way
         self._failure: BaseException | None = None
         self._stopping = False
-        self.rounds = 0  # rounds sent, for inspection
-        self.merged = 0  # gradients that went in them
         self._thread = threading.Thread(
             target=self._run, name=f"communicator trainer {trainer_id}", daemon=True
         )
@@ -86,8 +80,6 @@ class Communicator:
     def put(self, items: Sequence[Push], step: int, merge: str) -> None:
         """Queue the gradients (endpoint, name, value) of `step`, to be merged by `merge`.
         Blocks while a queue is full, logging every `log_after` seconds of it."""
-        if merge not in MERGES:
-            raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
         with self._lock:
             for endpoint, name, value in items:
                 key = (endpoint, name)
@@ -216,9 +208,7 @@ class Communicator:
             msg = messages.setdefault(endpoint, Message(Kind.SEND, trainer_id=self.trainer_id, step=step))
             msg.step = max(msg.step, step)
             msg.tensors[name] = gradients.mean(values) if merge == "mean" else gradients.total(values)
-            self.merged += len(values)
         self._exchange(clients, messages)
-        self.rounds += 1
 
     def _pull(self, clients: dict[str, RpcClient], items: Sequence[Pull]) -> list[Any]:
         messages: dict[str, Message] = {}

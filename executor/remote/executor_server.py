@@ -29,7 +29,7 @@ from fluidps.errors import EOFException, Error, NoDataYet
 from fluidps.executor.executor import Executor
 from fluidps.executor.resources import resident_bytes
 from fluidps.executor.runtime import RuntimeConfig
-from fluidps.executor.transport.rpc import Request, RpcServer
+from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message, json_fields
 from fluidps.ir.program import Program
 
@@ -62,16 +62,14 @@ class ExecutorServer:
         self._running = True
         # A finished run wakes the serving loop through this socket, so its reply
         # goes out at once rather than at the loop's next poll.
-        self._wake_address = f"inproc://wake-{id(self):x}"
-        self._wake = self._context.socket(zmq.PULL)
-        self._wake.bind(self._wake_address)
+        self._waker = Waker(self._context)
         self._worker = threading.Thread(target=self._work, name="run", daemon=True)
         self._worker.start()
 
     def serve_forever(self) -> None:
         try:
             while self._running:
-                for request in self.server.receive(0.5, wake=self._wake):
+                for request in self.server.receive(0.5, wake=self._waker.socket):
                     self._handle(request)
                 self._answer_finished()
         finally:
@@ -103,8 +101,8 @@ class ExecutorServer:
             if problems:
                 print(f"{self.name}: on shutdown: {'; '.join(problems)}", flush=True)
         self.server.close()
-        self._wake.close(linger=0)
-        if not self._worker.is_alive():  # else its wake socket is open: term() would wait for it
+        self._waker.close()
+        if not self._worker.is_alive():  # else its runs may hold sockets open: term() would wait
             self._context.term()
 
     # -- requests -------------------------------------------------------------------------
@@ -220,17 +218,14 @@ class ExecutorServer:
 
     def _work(self) -> None:
         """The worker thread: runs the RUNs in order, hands each result to the loop."""
-        with self._context.socket(zmq.PUSH) as wake:
-            wake.setsockopt(zmq.LINGER, 0)
-            wake.connect(self._wake_address)
-            while (request := self._runs.get()) is not None:
-                result = self._execute(request.msg)
-                self._finished.append(_Finished(request, result))
-                if "error" in result:  # what was queued behind a failed run is not run
-                    while (later := self._queued()) is not None:
-                        failure = f"not run: an earlier run failed: {result['error']}"
-                        self._finished.append(_Finished(later, {"error": failure}))
-                wake.send(b"")
+        while (request := self._runs.get()) is not None:
+            result = self._execute(request.msg)
+            self._finished.append(_Finished(request, result))
+            if "error" in result:  # what was queued behind a failed run is not run
+                while (later := self._queued()) is not None:
+                    failure = f"not run: an earlier run failed: {result['error']}"
+                    self._finished.append(_Finished(later, {"error": failure}))
+            self._waker.wake()
 
     def _queued(self) -> Request | None:
         """The next RUN already queued, if any (a stop request stays queued)."""

@@ -140,18 +140,23 @@ def test_distributed_bench_quick_smoke_run():
         assert r["bytes"] == 1 << 20 and r["mib_per_s"] > 0 and r["ms"] > 0
 
 
-def test_distributed_bench_runs_the_ctr_model_with_a_distributed_table():
-    args = [
+def quick_remote_job(model: str, modes: str) -> list[str]:
+    """bench.distributed's flags for a quick 1x1 RemoteExecutor job of `model` in `modes`."""
+    return [
         "--quick",
         "--models",
-        "ctr_distributed",
+        model,
         "--topologies",
         "1x1",
         "--modes",
-        "sync",
+        modes,
         "--runners",
         "RemoteExecutor",
     ]
+
+
+def test_distributed_bench_runs_the_ctr_model_with_a_distributed_table():
+    args = quick_remote_job("ctr_distributed", "sync")
     rows = bench("distributed", *args, "--ctr-vocab", "2600,5200", "--no-torch", "--bandwidth-mib", "1")
     training = [r for r in rows if r.get("bench") == "ctr_distributed"]
     assert [(r["mode"], r["table"]) for r in training] == [
@@ -167,17 +172,7 @@ def test_distributed_bench_runs_the_ctr_model_with_a_distributed_table():
 
 
 def test_distributed_bench_profiles_every_process_of_a_job():
-    args = [
-        "--quick",
-        "--models",
-        "ctr_distributed",
-        "--topologies",
-        "1x1",
-        "--modes",
-        "sync,async",
-        "--runners",
-        "RemoteExecutor",
-    ]
+    args = quick_remote_job("ctr_distributed", "sync,async")
     rows = bench(
         "distributed", *args, "--ctr-vocab", "2600", "--no-torch", "--bandwidth-mib", "1", "--profile"
     )
@@ -194,17 +189,7 @@ def test_distributed_bench_profiles_every_process_of_a_job():
 
 
 def test_distributed_bench_runs_the_ctr_model_over_a_hashed_table():
-    args = [
-        "--quick",
-        "--models",
-        "ctr_hashed",
-        "--topologies",
-        "1x1",
-        "--modes",
-        "sync",
-        "--runners",
-        "RemoteExecutor",
-    ]
+    args = quick_remote_job("ctr_hashed", "sync")
     rows = bench("distributed", *args, "--no-torch", "--bandwidth-mib", "1", "--hashed-ids", "3000")
     training = [r for r in rows if r.get("bench") == "ctr_hashed"]
     assert [r["mode"] for r in training] == ["local", "sync"]
