@@ -105,6 +105,10 @@ class Runtime:
         return self._readers
 
     @property
+    def has_trainer(self) -> bool:
+        return self._trainer is not None
+
+    @property
     def has_readers(self) -> bool:
         return self._readers is not None
 

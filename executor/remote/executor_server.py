@@ -266,6 +266,12 @@ class ExecutorServer:
             self.exe.runtime.trainer.pause()
             return {"no_task": "finished"}
         runtime = self.exe.runtime if self.exe.has_runtime else None
+        if runtime is not None and runtime.has_trainer and self._runs.empty():
+            # Nothing queued behind this step: what it sent without waiting (a step with
+            # no recv to carry its barrier, as one training only distributed tables) is
+            # acknowledged before the client hears it is done, so that whatever the
+            # client reads from the pservers next includes this step.
+            runtime.trainer.settle()
         readers = runtime.readers if runtime is not None and runtime.has_readers else None
         return {
             "values": dict(zip(msg.names, values, strict=True)),

@@ -452,6 +452,26 @@ def test_on_demand_base_and_delta_checkpoints_of_a_hashed_table_resume_the_job(t
     assert got == expected[6:]
 
 
+def test_a_step_is_on_the_pservers_when_run_returns():
+    """A model whose only parameter is a hashed table has no recv to wait on: run() still
+    returns only once the pservers have the step, so what the client reads next has it."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        ids = layers.data("ids", [1], dtype="int64")
+        loss = layers.mean(layers.sparse_embedding(ids, [-1, 4]))
+        optimizer.SGD(0.1).minimize(loss)
+    rng = np.random.default_rng(0)
+    seen: set[int] = set()
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=2, trainers=1)) as exe:
+        exe.run(startup)
+        for _ in range(12):
+            batch = rng.integers(0, 2**62, (64, 1))
+            exe.run(main, feed={"ids": batch}, fetch_list=[loss])
+            seen.update(batch.ravel().tolist())
+            rows = [next(iter(s["hashed_tables"].values()))["rows"] for s in exe.pserver_stats().values()]
+            assert sum(rows) == len(seen) and min(rows) > 0
+
+
 def test_a_profiled_job_reports_where_each_process_spent_each_step():
     """JobDesc(profile=True): exe.profile() holds the client's, each trainer's and each
     pserver's time by category, over the steps each counted."""
