@@ -65,8 +65,18 @@ class Membership:
         return {t for t, m in self.members.items() if m.state == LIVE}
 
     @property
+    def done(self) -> bool:
+        """Every trainer said it is done: the only way a pserver's job ends by itself
+        (an evicted trainer may still come back)."""
+        return all(m.state == DONE for m in self.members.values())
+
+    @property
+    def lost(self) -> set[int]:
+        return {t for t, m in self.members.items() if m.state == LOST}
+
+    @property
     def active(self) -> set[int]:
-        """Trainers that may still send (live or paused): the loop runs while there are any."""
+        """Trainers that may still send now (live or paused)."""
         return {t for t, m in self.members.items() if m.state in (LIVE, PAUSED)}
 
     def admit(self, trainer: int, sender: int) -> None:

@@ -10,7 +10,10 @@ checked, then answered when a GET would be.
 
 Trainers are tracked by `Membership`: a trainer silent (no message, no
 keepalive) for the peer timeout is evicted in an elastic job and fails the job,
-by name, otherwise. The loop ends when every trainer is done or evicted.
+by name, otherwise. The loop ends when every trainer said it is done (or the
+process is told to stop), never because trainers were evicted: an evicted
+trainer may come back, and a pserver left with none waits for one, keeping its
+state and checkpointing, for `RpcSettings.rejoin_timeout`.
 
 Checkpoints (`checkpoint_dir`, from the program or the job's CheckpointOverrides):
 every N steps or seconds, on a CHECKPOINT request, at the end, and on
@@ -140,6 +143,7 @@ class ParameterServer:
         self.ended = threading.Event()
         self.server: RpcServer | None = None
         self._started = time.monotonic()
+        self._alone_since: float | None = None  # when the last trainer not done was evicted
 
     def log(self, message: str) -> None:
         self.log_lines.append(message)
@@ -157,17 +161,18 @@ class ParameterServer:
             if restored is not None:
                 self.strategy.restore(restored)
             self.strategy.start()
-            while self.members.active and self._stop_reason is None:
+            while not self.members.done and self._stop_reason is None:
                 for request in self.server.receive(0.05, wake=self._waker.socket):
                     self.last_heard = time.monotonic()
                     self._handle(request)
                 self._check_trainers()
+                self._check_rejoin()
                 self._answer_deferred()
                 self._maybe_checkpoint()
                 failure = self.strategy.failure
                 if failure is not None:
                     raise ExecutionError(f"{self.name}: an optimize block failed: {failure}") from failure
-                if time.monotonic() - self.last_heard > IDLE_TIMEOUT:
+                if self.members.active and time.monotonic() - self.last_heard > IDLE_TIMEOUT:
                     raise TransportError(
                         f"{self.name}: no message for {IDLE_TIMEOUT:.0f} s from trainers {sorted(self.members.active)}"
                     )
@@ -383,6 +388,30 @@ class ParameterServer:
                 raise TransportError(error)
             self._forget(trainer)
             self.strategy.on_members_changed()
+
+    def _check_rejoin(self) -> None:
+        """With every trainer not done evicted, wait for one to come back, up to the rejoin
+        timeout; then save what was learned and give the job up, saying why."""
+        if self.members.active or not self.members.lost:
+            if self._alone_since is not None:
+                self._alone_since = None
+                self.log(f"trainers {sorted(self.members.active)} are back; the job goes on")
+            return
+        now, waiting = time.monotonic(), sorted(self.members.lost)
+        if self._alone_since is None:
+            self._alone_since = now
+            self.log(
+                f"every trainer not done was evicted ({', '.join(map(str, waiting))}); waiting up to "
+                f"{self.settings.rejoin_timeout:g} s for one to rejoin, keeping the parameters and checkpointing"
+            )
+        elif now - self._alone_since > self.settings.rejoin_timeout:
+            if self.checkpoints.enabled:
+                self._checkpoint("abandoned")
+            raise TransportError(
+                f"{self.name}: no evicted trainer ({', '.join(map(str, waiting))}) came back within "
+                f"{self.settings.rejoin_timeout:g} s (RpcSettings.rejoin_timeout); the job is given up"
+                + (" after a last checkpoint" if self.checkpoints.enabled else "")
+            )
 
     # -- parameters -----------------------------------------------------------------------
 

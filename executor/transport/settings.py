@@ -25,6 +25,9 @@ class RpcSettings:
     # Trainers are disposable (a coordinator hands out the data): pservers evict a trainer
     # that goes silent and let a restarted one rejoin, instead of failing the job.
     elastic: bool = False
+    # An elastic pserver whose trainers were all evicted waits this long for one to come
+    # back (keeping its state and its checkpoints) before it gives the job up.
+    rejoin_timeout: float = 600.0
     # An async trainer blocked on its communicator's full send queue logs it this often.
     send_queue_log_after: float = 10.0
 

@@ -50,7 +50,9 @@ def batches(n: int, size: int = 8, seed: int = 0) -> list[dict[str, np.ndarray]]
 class Job(PserverThreads):
     """One trainer program's pservers on threads, over inproc endpoints, and its trainers."""
 
-    def __init__(self, main, startup, pservers: int, trainers: int = 1, **config):
+    def __init__(
+        self, main, startup, pservers: int, trainers: int = 1, settings: RpcSettings = SETTINGS, **config
+    ):
         tag = uuid.uuid4().hex[:8]
         endpoints = [f"inproc://ps{i}-{tag}" for i in range(pservers)]
         self.transpilers = []
@@ -58,7 +60,7 @@ class Job(PserverThreads):
             t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8, **config))
             t.transpile(trainer_id, main, ",".join(endpoints), trainers=trainers, startup_program=startup)
             self.transpilers.append(t)
-        super().__init__(self.transpilers[0], endpoints, SETTINGS, wait=60.0)
+        super().__init__(self.transpilers[0], endpoints, settings, wait=60.0)
 
     def trainer(
         self, trainer_id: int = 0, settings: RpcSettings = SETTINGS
@@ -377,3 +379,68 @@ def test_a_pserver_told_to_stop_checkpoints_first(tmp_path):
     gone = ("did not answer", "has not answered", "stopped answering")
     for problem in problems:
         assert job.endpoints[0] in problem and any(g in problem for g in gone), problems
+
+
+def _vanish(job: Job, trainer: int) -> None:
+    """A trainer's incarnation that sends one empty SEND and goes silent, as a process
+    that was killed: every pserver evicts it."""
+    for endpoint in job.endpoints:
+        client = RpcClient(
+            job.context, endpoint, endpoint, SETTINGS, trainer_id=trainer, sender=uuid.uuid4().int >> 65
+        )
+        try:
+            client.call(Message(Kind.SEND, trainer_id=trainer, step=1))
+        finally:
+            client.close()
+    job.wait_until_trainer(trainer, "lost")
+
+
+def test_a_pserver_whose_trainers_were_all_evicted_waits_and_one_rejoins_where_it_left_off():
+    """Eviction is not completion: a trainer that trained and then hung (its heartbeats
+    stop) is evicted, and the pserver, left with no trainer, keeps serving and its state;
+    a new incarnation trains on from there exactly as local training does on all the
+    batches, and its COMPLETE ends the job."""
+    main, startup, _ = adam_mlp()
+    params = [p.name for p in main.all_parameters()]
+    job = Job(main, startup, pservers=2, settings=SETTINGS.with_(elastic=True, peer_timeout=2.0))
+    hung, program = job.trainer(0)
+    local = local_from(startup, hung, params)
+    data = batches(5)
+    for b in data:
+        local.run(main, feed=b)
+    for b in data[:2]:
+        hung.run(program, feed=b)
+    hung.runtime.trainer._keepalive.close()  # hangs: it sends nothing from now on
+    job.wait_until_trainer(0, "lost")
+    for endpoint in job.endpoints:  # still serving, and says what it waits for
+        stats = json.loads(job.observe(Kind.STATS, endpoint).text)
+        assert stats["completed_steps"] == 2
+        assert any("waiting up to 600 s for one to rejoin" in line for line in stats["log"])
+    assert any("was evicted after going silent" in p for p in hung.close())
+    exe, program = job.trainer(0)
+    for b in data[2:]:
+        exe.run(program, feed=b)
+    for name in params:
+        np.testing.assert_allclose(exe.scope[name], local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert exe.close() == []
+    job.join()
+    for endpoint in job.endpoints:
+        log = job.final_stats[endpoint]["log"]
+        assert any("rejoins" in line for line in log) and any("are back" in line for line in log)
+        assert job.final_stats[endpoint]["completed_steps"] == 5
+
+
+def test_a_pserver_left_without_trainers_gives_up_after_the_rejoin_timeout_with_a_checkpoint(tmp_path):
+    main, startup, _ = adam_mlp()
+    settings = SETTINGS.with_(elastic=True, peer_timeout=1.0, rejoin_timeout=0.5)
+    job = Job(main, startup, pservers=1, settings=settings, checkpoint_dir=str(tmp_path))
+    job.wait_serving()
+    _vanish(job, 0)
+    for thread in job.threads:
+        thread.join(timeout=60.0)
+    assert not any(t.is_alive() for t in job.threads)
+    (error,) = job.errors
+    assert isinstance(error, fluidps.ExecutionError)  # listen_and_serv failed, saying why
+    assert "no evicted trainer (0) came back within 0.5 s (RpcSettings.rejoin_timeout)" in str(error)
+    (endpoint,) = job.endpoints
+    assert [c["reason"] for c in job.final_stats[endpoint]["checkpoints"]] == ["abandoned"]
