@@ -52,9 +52,6 @@ if TYPE_CHECKING:
     from fluidps.executor.ps.host import PserverHost
 
 IDLE_TIMEOUT = 3600.0  # seconds without any message while trainers are live
-# A trainer not heard from at all since the loop started gets this long to show up
-# (it may still be importing and transpiling) before it counts as missing.
-FIRST_CONTACT_TIMEOUT = 120.0
 _FROM_TRAINERS = (Kind.SEND, Kind.SEND_BARRIER, Kind.FETCH_BARRIER, Kind.COMPLETE, Kind.PAUSE)
 _PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (sync: applied; ssp: in bounds)
 
@@ -334,6 +331,8 @@ class ParameterServer:
         for grad, value in msg.tensors.items():
             if isinstance(value, SelectedRows):
                 self.received_rows.setdefault(grad, RowLog()).add(value.rows)
+        if (silence := self.server.heard.get((msg.trainer_id, msg.sender))) is not None:
+            silence.warm = True  # it sent a step: its kernels are compiled
         applied = self.strategy.on_gradients(msg.trainer_id, msg.step, msg.tensors)
         if applied is not None and not applied():
             self.unapplied.append((request, applied))  # (async: no barrier rides on it)
@@ -364,21 +363,26 @@ class ParameterServer:
         self.strategy.on_members_changed()
 
     def _check_trainers(self) -> None:
-        """Evict (elastic) or fail on trainers silent for longer than the peer timeout
-        (paused ones too: a trainer waiting for a task keeps sending heartbeats)."""
+        """Evict (elastic) or fail on trainers silent for longer than their allowance: the
+        peer timeout, stretched by how far apart their messages came lately, or the
+        warm-up timeout until their first step is sent (paused trainers count too: one
+        waiting for a task keeps sending heartbeats)."""
         now = time.monotonic()
-        timeout = self.settings.peer_timeout
         for trainer in sorted(self.members.active):
             member = self.members.members[trainer]
-            if member.sender:
-                heard = self.server.heard.get((trainer, member.sender), self._started)
-                limit = timeout
+            silence = self.server.heard.get((trainer, member.sender)) if member.sender else None
+            if silence is None:  # not heard from yet: it may still be importing and transpiling
+                silent, allowed = (
+                    now - self._started,
+                    max(self.settings.warmup_timeout, self.settings.peer_timeout),
+                )
             else:
-                heard, limit = self._started, max(timeout, FIRST_CONTACT_TIMEOUT)
-            silence = now - heard
-            if silence <= limit:
+                silent, allowed = silence.silent_for(now), silence.allowance()
+                if (report := silence.stretch_report()) is not None:
+                    self.log(f"trainer {trainer}: {report}")
+            if silent <= allowed:
                 continue
-            why = f"not heard from for {silence:.1f} s (it is down, hung or cut off)"
+            why = f"not heard from for {silent:.1f} s, allowed {allowed:.1f} s (it is down, hung or cut off)"
             self.members.lose(trainer, why)
             if not self.members.elastic:
                 error = f"{self.name}: trainer {trainer} was {why}; the job cannot go on without it"

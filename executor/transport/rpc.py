@@ -25,6 +25,7 @@ import zmq
 
 from fluidps.endpoints import zmq_address
 from fluidps.errors import PeerLostError, RemoteError, TransportError, WireError
+from fluidps.executor.transport.liveness import SilenceClock
 from fluidps.executor.transport.security import check_bind
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
@@ -72,6 +73,10 @@ def _timed(profile: Profile | None, category: str, work: Callable[[Any], Any]) -
     return timed
 
 
+# A server has done a step (compiled its kernels: see liveness) once it answered one of these.
+WARMING_KINDS = frozenset({Kind.SEND, Kind.RUN, Kind.TASK_DONE})
+
+
 class RpcClient:
     """A DEALER connected to one server; `peer` names it in errors."""
 
@@ -98,7 +103,7 @@ class RpcClient:
         self._next_id = 1
         self._sent: dict[int, tuple[list[Any], float, int]] = {}  # id -> (frames, sent at, kind)
         self._replies: dict[int, Message] = {}
-        self._last_heard = time.monotonic()
+        self.silence = SilenceClock(settings.peer_timeout, settings.warmup_timeout, time.monotonic())
         self._last_ping = 0.0
 
     def request(self, msg: Message) -> int:
@@ -149,24 +154,30 @@ class RpcClient:
 
     def begin_wait(self) -> None:
         """Start counting the server's silence now: between waits nobody pings it."""
-        self._last_heard = max(self._last_heard, time.monotonic())
+        self.silence.restart(time.monotonic())
 
     def poll(self, rid: int, timeout: float) -> Message | None:
         """Wait at most `timeout` seconds for the reply to `rid`: the reply, or None.
         Pings the server while waiting and raises PeerLostError once it has been
         silent for peer_timeout (counted from `begin_wait`), RemoteError if it erred."""
         if rid not in self._replies:
+            self._drain()  # what arrived while this thread was busy counts before any silence
             now = time.monotonic()
-            if now - self._last_heard > self.settings.peer_timeout:
+            first_step = rid in self._sent and self._sent[rid][2] in WARMING_KINDS
+            if rid not in self._replies and self.silence.expired(now, first_step):
                 self.lost = True
                 raise PeerLostError(
-                    f"{self.peer} ({self.endpoint}) has not answered for {now - self._last_heard:.1f} s: "
-                    "it is down or unreachable"
+                    f"{self.peer} ({self.endpoint}) has not answered for {self.silence.silent_for(now):.1f} s "
+                    f"(allowed {self.silence.allowance(first_step):.1f} s): it is down or unreachable"
                 )
+            if (report := self.silence.stretch_report()) is not None:
+                print(f"{self.peer} ({self.endpoint}): {report}", flush=True)
             if now - self._last_ping >= self.settings.heartbeat_interval:
                 self._send(encode(Message(Kind.HEARTBEAT, trainer_id=self.trainer_id, sender=self.sender)))
                 self._last_ping = now
-            if self._socket.poll(int(min(timeout, self.settings.heartbeat_interval) * 1000)):
+            if rid not in self._replies and self._socket.poll(
+                int(min(timeout, self.settings.heartbeat_interval) * 1000)
+            ):
                 self._drain()
             if rid not in self._replies:
                 return None
@@ -185,7 +196,7 @@ class RpcClient:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._last_heard = time.monotonic()
+            self.silence.heard(time.monotonic())
             try:
                 reply = self._decode(frames)
             except WireError as e:
@@ -195,6 +206,8 @@ class RpcClient:
                 self._resend_lost(set(reply.pending))
             elif reply.request_id in self._sent:
                 self._replies[reply.request_id] = reply
+                if self._sent[reply.request_id][2] in WARMING_KINDS:
+                    self.silence.warm = True  # it has done a step: its kernels are compiled
 
     def _check_incarnation(self, reply: Message) -> None:
         if not reply.incarnation:
@@ -336,8 +349,9 @@ class RpcServer:
         # Port 0 binds any free port: from here on, the address is the one ZeroMQ picked.
         self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._clients: dict[bytes, _ClientState] = {}
-        # (trainer id, sender incarnation) -> when any message of it last arrived, heartbeats included.
-        self.heard: dict[tuple[int, int], float] = {}
+        # (trainer id, sender incarnation) -> its silence: when any message of it last
+        # arrived (heartbeats included), and the gaps between them.
+        self.heard: dict[tuple[int, int], SilenceClock] = {}
 
     def receive(self, timeout: float, wake: zmq.Socket | None = None) -> list[Request]:
         """Requests that arrived within `timeout` seconds; heartbeats, repeats and
@@ -377,7 +391,10 @@ class RpcServer:
             self._send(client, Message(Kind.ERROR, text=f"{self.name} rejected a malformed message: {e}"))
             return None
         if msg.trainer_id >= 0:
-            self.heard[(msg.trainer_id, msg.sender)] = time.monotonic()
+            now, key = time.monotonic(), (msg.trainer_id, msg.sender)
+            if key not in self.heard:
+                self.heard[key] = SilenceClock(self.settings.peer_timeout, self.settings.warmup_timeout, now)
+            self.heard[key].heard(now)
         state = self._clients.setdefault(client, _ClientState())
         if msg.kind == Kind.HEARTBEAT:
             answered = [str(r) for r in state.replies]

@@ -16,7 +16,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RpcSettings:
     heartbeat_interval: float = 0.5  # seconds between application heartbeats while waiting
-    peer_timeout: float = 10.0  # a peer silent this long is dead
+    # A peer silent this long is dead: the floor of its allowance, which stretches with
+    # the gaps seen between its messages (fluidps.executor.transport.liveness).
+    peer_timeout: float = 10.0
+    # A peer's allowance until its first step is done (it imports, transpiles and
+    # compiles its kernels), and a trainer's to say anything at all.
+    warmup_timeout: float = 120.0
     request_timeout: float = 600.0  # the longest any reply may take (barriers wait for slow trainers)
     retry_after: float = 2.0  # resend a request the server says it does not hold after this long
     max_message_bytes: int = 1 << 34  # ZeroMQ drops larger messages and their sender's connection
