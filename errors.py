@@ -77,6 +77,10 @@ class PeerLostError(TransportError):
     """A peer has not answered for longer than the peer timeout: it is down or unreachable."""
 
 
+class PeerRestartedError(TransportError):
+    """A peer restarted: the state it held for this client is gone (not a program error)."""
+
+
 class RemoteError(TransportError):
     """The peer received the request and reported an error."""
 

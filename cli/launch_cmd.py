@@ -59,7 +59,10 @@ class _OneLineErrors(click.Command):
 @click.option("--max-task-failures", type=click.IntRange(min=0), default=DEFAULT_MAX_FAILURES, show_default=True,
               help="With --dataset: failures a task may have before it is discarded.")  # fmt: skip
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
-              help="With --dataset: times each process is started again after dying.")  # fmt: skip
+              help="With --dataset: times each process is started again after dying, within --restart-window "
+              "(failures caused by a peer restarting do not count).")  # fmt: skip
+@click.option("--restart-window", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
+              help="With --dataset: the seconds over which --max-restarts counts.")  # fmt: skip
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False),
               help="With --dataset: where pservers checkpoint (default: LOG_DIR/checkpoints or a temporary one).")  # fmt: skip
 @click.option("--checkpoint-every-steps", type=click.IntRange(min=0), default=0, show_default=True,
@@ -82,6 +85,7 @@ def launch(
     task_timeout: float,
     max_task_failures: int,
     max_restarts: int,
+    restart_window: float,
     checkpoint_dir: str | None,
     checkpoint_every_steps: int,
     checkpoint_every_seconds: float,
@@ -110,13 +114,14 @@ def launch(
         else:
             job = DatasetJob(
                 dataset,
-                task_timeout,
-                max_task_failures,
-                max_restarts,
-                checkpoint_dir,
-                checkpoint_every_steps,
-                checkpoint_every_seconds,
-                progress,
+                task_timeout=task_timeout,
+                max_task_failures=max_task_failures,
+                max_restarts=max_restarts,
+                restart_window=restart_window,
+                checkpoint_dir=checkpoint_dir,
+                checkpoint_every_steps=checkpoint_every_steps,
+                checkpoint_every_seconds=checkpoint_every_seconds,
+                progress=progress,
             )
             status = DatasetLauncher(job, *common).run()
     except Error as e:

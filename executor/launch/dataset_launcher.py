@@ -3,7 +3,8 @@
 A coordinator process hands the trainers the dataset's tasks (FLUIDPS_COORDINATOR,
 FLUIDPS_DATASET), the pservers evict silent trainers and checkpoint into a
 directory (FLUIDPS_ELASTIC, FLUIDPS_CHECKPOINT_DIR), and a process that dies is
-started again, up to `max_restarts` times each: a pserver restores its newest
+started again, up to `max_restarts` times each within `restart_window` seconds, after a
+backoff (fluidps.executor.launch.restarts): a pserver restores its newest
 checkpoint, the coordinator its snapshot, a trainer rejoins while its task goes to
 another. The job is done when the coordinator has finished every pass and the
 trainers have exited; a progress bar shows the pass, tasks, samples/s and loss.
@@ -23,10 +24,12 @@ from typing import Any
 
 from fluidps.endpoints import format_endpoint
 from fluidps.errors import BuilderError, DatasetError
+from fluidps.executor import peer_exit
 from fluidps.executor.env import CONTRACT_VARS
 from fluidps.executor.launch.launcher import POLL_S, Child, Launcher, describe_exit, exit_status
 from fluidps.executor.launch.processes import thread_limits
 from fluidps.executor.launch.progress import CoordinatorWatch, ProgressBar
+from fluidps.executor.launch.restarts import RestartBudget
 from fluidps.executor.tasks.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
 from fluidps.executor.transport.rpc import RpcSettings
 from fluidps.io.dataset import Dataset
@@ -39,7 +42,8 @@ class DatasetJob:
     dataset: str
     task_timeout: float = DEFAULT_TASK_TIMEOUT  # an unrenewed task goes to another trainer after this
     max_task_failures: int = DEFAULT_MAX_FAILURES
-    max_restarts: int = 3  # per process
+    max_restarts: int = 3  # per process within restart_window
+    restart_window: float = 300.0  # seconds
     checkpoint_dir: str | None = None  # default: checkpoints/ in the log (or a temporary) directory
     checkpoint_every_steps: int = 0
     checkpoint_every_seconds: float = 10.0
@@ -48,6 +52,8 @@ class DatasetJob:
     def __post_init__(self) -> None:
         if self.task_timeout <= 0 or self.max_task_failures < 0 or self.max_restarts < 0:
             raise BuilderError("task_timeout must be > 0, max_task_failures and max_restarts >= 0")
+        if self.restart_window <= 0:
+            raise BuilderError(f"restart_window must be > 0 seconds, got {self.restart_window}")
         if self.checkpoint_every_steps < 0 or self.checkpoint_every_seconds < 0:
             raise BuilderError("checkpoint intervals must be >= 0")
         try:
@@ -88,6 +94,7 @@ class DatasetLauncher(Launcher):
             "FLUIDPS_DATASET": str(Path(job.dataset).resolve()),
             "FLUIDPS_COORDINATOR": self.coordinator,
             "FLUIDPS_ELASTIC": "1",
+            peer_exit.ENV: str(peer_exit.PEER_FAILURE_STATUS),  # a peer's failure is not theirs
             "FLUIDPS_CHECKPOINT_DIR": str(self.checkpoint_dir.resolve()),
             "FLUIDPS_CHECKPOINT_EVERY_STEPS": str(job.checkpoint_every_steps),
             "FLUIDPS_CHECKPOINT_EVERY_SECONDS": str(job.checkpoint_every_seconds),
@@ -115,6 +122,8 @@ class DatasetLauncher(Launcher):
         job = self.dataset_job
         watch = self._watch = CoordinatorWatch(self.coordinator, RpcSettings(peer_timeout=5.0))
         bar = ProgressBar(self._stderr or sys.stderr, job.progress)
+        budget = RestartBudget(job.max_restarts, job.restart_window)
+        due: dict[str, tuple[float, Child]] = {}  # restarts waiting out their backoff
         finished_at: float | None = None  # when the coordinator said every pass is done
         trainers_done_at: float | None = None
         next_poll = 0.0
@@ -139,17 +148,29 @@ class DatasetLauncher(Launcher):
                             f"{c.name} {describe_exit(c.returncode)} after the last pass; not restarted"
                         )
                         continue
-                    if c.restarts >= job.max_restarts:
+                    if not budget.allows(c.name, c.returncode, now):
+                        used = budget.used(c.name, now, c.returncode)
+                        why = (
+                            "restarted after a peer's failure"
+                            if budget.peer_caused(c.returncode)
+                            else "restarted"
+                        )
                         self._say(
-                            f"{c.name} {describe_exit(c.returncode)}; it was restarted {c.restarts} time(s), "
-                            "the most allowed: stopping the job"
+                            f"{c.name} {describe_exit(c.returncode)}; it was {why} {used} time(s) within "
+                            f"{job.restart_window:g} s, the most allowed: stopping the job"
                         )
                         return exit_status(c.returncode) or 1
-                    self._say(f"{c.name} {describe_exit(c.returncode)}; {self._recovery(c)}")
-                    time.sleep(0.2)  # a crash loop must not spin
-                    self._start(c.name, c.env, c.command, c.restarts + 1)
+                    delay = budget.record(c.name, c.returncode, now)
+                    self._say(
+                        f"{c.name} {describe_exit(c.returncode)}; {self._recovery(c, budget, delay, now)}"
+                    )
+                    due[c.name] = (now + delay, c)
+                for name, (at, c) in list(due.items()):
+                    if now >= at:
+                        del due[name]
+                        self._start(c.name, c.env, c.command, c.restarts + 1)
                 trainers = [c for c in self.children if c.role == "trainer"]
-                if trainers_done_at is None and all(c.returncode is not None for c in trainers):
+                if trainers_done_at is None and not due and all(c.returncode is not None for c in trainers):
                     trainers_done_at = now
                 if trainers_done_at is not None:
                     pservers = [c for c in self.children if c.is_pserver and not self._reap(c)]
@@ -173,8 +194,15 @@ class DatasetLauncher(Launcher):
         finally:
             bar.close()
 
-    def _recovery(self, child: Child) -> str:
-        n = f"restart {child.restarts + 1} of {self.dataset_job.max_restarts}"
+    def _recovery(self, child: Child, budget: RestartBudget, delay: float, now: float) -> str:
+        job = self.dataset_job
+        if budget.peer_caused(child.returncode):
+            n = f"in {delay:.1f} s; a peer's failure, not counted against its {job.max_restarts} restarts"
+        else:
+            n = (
+                f"in {delay:.1f} s, restart {budget.used(child.name, now)} of {job.max_restarts} "
+                f"within {job.restart_window:g} s"
+            )
         if child.role == "trainer":
             return f"restarting it ({n}); its task goes back to the queue and it rejoins the job"
         if child.role == "pserver":

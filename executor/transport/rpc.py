@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from fluidps.endpoints import zmq_address
-from fluidps.errors import PeerLostError, RemoteError, TransportError, WireError
+from fluidps.errors import PeerLostError, PeerRestartedError, RemoteError, TransportError, WireError
 from fluidps.executor.transport.liveness import SilenceClock
 from fluidps.executor.transport.security import check_bind
 from fluidps.executor.transport.settings import RpcSettings
@@ -213,7 +213,7 @@ class RpcClient:
         if not reply.incarnation:
             return
         if self.incarnation and reply.incarnation != self.incarnation:
-            raise TransportError(
+            raise PeerRestartedError(
                 f"{self.peer} ({self.endpoint}) restarted (incarnation {self.incarnation:x} -> "
                 f"{reply.incarnation:x}); the state it held for this job is gone"
             )

@@ -186,7 +186,10 @@ def test_a_job_survives_a_killed_process(tmp_path, digits, fault_free, victim, r
         log = job.finish()
     finally:
         job.stop()
-    assert f"{victim} was killed by SIGKILL (status 137); restarting it (restart 1 of 3)" in log, log[-4000:]
+    assert (
+        f"{victim} was killed by SIGKILL (status 137); restarting it (in 0.2 s, restart 1 of 3 within 300 s)"
+        in log
+    ), log[-4000:]
     assert recovery in log
     assert job.pids()[victim] != pid  # it runs again, as a new process
     assert_books_balance(job.books(), EPOCHS)

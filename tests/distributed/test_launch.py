@@ -426,3 +426,50 @@ def test_exit_status_helpers():
     assert exit_status(3) == 3 and exit_status(-signal.SIGTERM) == 143
     assert describe_exit(-9) == "was killed by SIGKILL (status 137)"
     assert describe_exit(2) == "exited with status 2"
+
+
+@pytest.fixture
+def tiny_dataset(tmp_path: Path) -> Path:
+    import numpy as np
+
+    from fluidps.io.dataset import Dataset
+
+    path = tmp_path / "data"
+    Dataset.write(path, {"x": np.zeros((8, 1), np.float32)}, records_per_shard=4)
+    return path
+
+
+def test_a_process_that_keeps_crashing_stops_the_job_after_its_restarts_within_the_window(job, tiny_dataset):
+    script, out = job
+    result = fluidps_launch(
+        "--dataset", str(tiny_dataset), "--pservers", "1", "--trainers", "1", "--max-restarts", "2",
+        "--restart-window", "600", "--no-progress", str(script), str(out), "trainer=exit:3", "pserver=sleep",
+    )  # fmt: skip
+    assert result.returncode == 3, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("[launch] trainer.0 exited")]
+    assert said == [
+        "[launch] trainer.0 exited with status 3; restarting it (in 0.2 s, restart 1 of 2 within 600 s); "
+        "its task goes back to the queue and it rejoins the job",
+        "[launch] trainer.0 exited with status 3; restarting it (in 0.4 s, restart 2 of 2 within 600 s); "
+        "its task goes back to the queue and it rejoins the job",
+        "[launch] trainer.0 exited with status 3; it was restarted 2 time(s) within 600 s, the most allowed: "
+        "stopping the job",
+    ]
+
+
+def test_a_process_failed_by_its_peers_does_not_spend_its_own_restarts(job, tiny_dataset):
+    from fluidps.executor.launch.restarts import PEER_FACTOR
+    from fluidps.executor.peer_exit import PEER_FAILURE_STATUS
+
+    script, out = job
+    result = fluidps_launch(
+        "--dataset", str(tiny_dataset), "--pservers", "1", "--trainers", "1", "--max-restarts", "1",
+        "--no-progress", str(script), str(out), f"trainer=exit:{PEER_FAILURE_STATUS}", "pserver=sleep",
+    )  # fmt: skip
+    assert result.returncode == PEER_FAILURE_STATUS, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("[launch] trainer.0 exited")]
+    assert len(said) == PEER_FACTOR + 1
+    assert all("a peer's failure, not counted against its 1 restarts" in line for line in said[:-1])
+    assert said[-1].endswith(
+        f"it was restarted after a peer's failure {PEER_FACTOR} time(s) within 300 s, the most allowed: stopping the job"
+    )
