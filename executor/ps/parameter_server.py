@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +45,7 @@ from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
 from fluidps.ir.operator import Operator
-from fluidps.ir.types import DISTRIBUTED_MODES
+from fluidps.ir.types import DISTRIBUTED_MODES, VarType, to_numpy_dtype
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.ops.sparse_table import SparseTable
 
@@ -86,6 +87,50 @@ class RowLog:
         return np.unique(np.concatenate(self.chunks)) if self.chunks else np.zeros(0, np.int64)
 
 
+@dataclass(frozen=True)
+class GradientSpec:
+    """What a gradient this pserver optimizes must look like (its declaration here): a
+    dense tensor of the slice's shape, or rows of it, in the parameter's dtype. -1
+    dimensions (a hashed table's rows) match any size."""
+
+    sparse: bool
+    shape: tuple[int, ...] | None
+    dtype: np.dtype | None
+
+    @staticmethod
+    def of(var: Any) -> GradientSpec:
+        if var is None:
+            return GradientSpec(False, None, None)
+        dtype = to_numpy_dtype(var.dtype) if var.dtype is not None else None
+        shape = tuple(var.shape) if var.shape is not None else None
+        return GradientSpec(var.type == VarType.SELECTED_ROWS, shape, dtype)
+
+    def problem(self, name: str, value: Any) -> str | None:
+        """What is wrong with `value` as gradient `name`, or None."""
+        sparse = isinstance(value, SelectedRows)
+        array = value.value if sparse else value
+        if sparse != self.sparse:
+            want = "rows (SelectedRows)" if self.sparse else "a dense tensor"
+            return f"{name!r} must be {want}, got {'rows' if sparse else 'a dense tensor'}"
+        if self.dtype is not None and array.dtype != self.dtype:
+            return f"{name!r} must be {self.dtype}, got {array.dtype}{list(array.shape)}"
+        if self.shape is None:
+            return None
+        got = array.shape[1:] if sparse else array.shape
+        want = self.shape[1:] if sparse else self.shape
+        if len(got) != len(want) or any(w >= 0 and g != w for g, w in zip(got, want, strict=False)):
+            what = "rows of width" if sparse else "shape"
+            return f"{name!r} must have {what} {list(want)}, got {array.dtype}{list(array.shape)}"
+        if sparse:
+            rows, height = value.rows, self.shape[0]
+            if len(rows) != len(array):
+                return f"{name!r} holds {len(array)} rows of values for {len(rows)} row ids"
+            if rows.size and (int(rows.min()) < 0 or (height >= 0 and int(rows.max()) >= height)):
+                bound = f"0..{height - 1}" if height >= 0 else ">= 0"
+                return f"{name!r} names rows outside {bound} (rows {int(rows.min())}..{int(rows.max())})"
+        return None
+
+
 def _pairs(values: list[str]) -> dict[str, int]:
     out = {}
     for item in values:
@@ -115,6 +160,7 @@ class ParameterServer:
         lr = op.attr("lr_decay_block_id")
         self.lr_block = host.runner_for(program.block(lr)) if lr >= 0 else None
         self.declared = set(program.global_block().vars)
+        self.grad_specs = {g: GradientSpec.of(program.global_block().vars.get(g)) for g in self.grad_block}
         self.served = {n for n, v in program.global_block().vars.items() if v.persistable}
         self.tables = set(op.attr("distributed_tables"))  # whose rows trainers PREFETCH
         unserved = sorted(self.tables - self.served)
@@ -328,6 +374,11 @@ class ParameterServer:
             self.server.error(request, f"{self.name} owns no gradient named {', '.join(map(repr, unknown))}")
             return
         self._check_gettable(msg.names)
+        wrong = [p for g, v in msg.tensors.items() if (p := self.grad_specs[g].problem(g, v)) is not None]
+        if wrong:  # refused whole: nothing of it is stored or applied, and the step waits
+            self.log(f"refused trainer {msg.trainer_id}'s SEND of its step {msg.step}: {'; '.join(wrong)}")
+            self.server.error(request, f"{self.name} refused gradients: {'; '.join(wrong)}")
+            return
         for grad, value in msg.tensors.items():
             if isinstance(value, SelectedRows):
                 self.received_rows.setdefault(grad, RowLog()).add(value.rows)

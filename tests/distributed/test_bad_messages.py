@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -426,5 +427,71 @@ def test_a_step_without_a_gradient_leaves_its_slice_as_it_was(tmp_path):
             assert stats["completed_steps"] == 2
             (line,) = [line for line in stats["log"] if "sent no gradient of" in line]
             assert "step 2" in line and "'fc_1.b_0@GRAD'" in line
+    finally:
+        context.term()
+
+
+def test_a_gradient_of_the_wrong_shape_or_dtype_is_refused_whole(tmp_path):
+    """A well-formed SEND whose gradient does not fit its slice (another shape, another
+    dtype, dense for sparse) is refused, naming the gradient, what it must be and what
+    it is; nothing of it is stored or applied (the good gradient beside it neither), the
+    step is not closed by its barrier, and the right gradients train on afterwards."""
+    good = {
+        "fc_0.w_0@GRAD": np.full((8, 16), 0.5, np.float32),
+        "fc_0.b_0@GRAD": np.full(16, 0.25, np.float32),
+        "fc_1.w_0@GRAD": np.full((16, 3), -1.0, np.float32),
+        "fc_1.b_0@GRAD": np.full(3, 2.0, np.float32),
+    }
+    params = [g.removesuffix("@GRAD") for g in good]
+    bad = [
+        ({"fc_0.w_0@GRAD": np.ones((3, 3), np.float64)}, r"'fc_0.w_0@GRAD' must be float32, got float64\[3, 3\]"),
+        ({"fc_0.w_0@GRAD": np.ones((3, 3), np.float32)}, r"'fc_0.w_0@GRAD' must have shape \[8, 16\], got float32\[3, 3\]"),
+        (
+            {"fc_1.b_0@GRAD": SelectedRows(np.array([0]), np.ones((1,), np.float32), 3)},
+            r"'fc_1.b_0@GRAD' must be a dense tensor, got rows",
+        ),
+    ]  # fmt: skip
+    context = zmq.Context()
+    try:
+        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+            sock.send_multipart(encode(Message(Kind.GET, names=params, request_id=1)))
+            before = _answer(sock)
+            for i, (tensors, why) in enumerate(bad):
+                with_good = {**good, **tensors}
+                msg = Message(
+                    Kind.SEND,
+                    tensors=with_good,
+                    names=params,
+                    barrier=True,
+                    trainer_id=0,
+                    step=1,
+                    request_id=10 + i,
+                )
+                sock.send_multipart(encode(msg))
+                reply = _answer(sock)
+                assert reply.kind == Kind.ERROR and reply.request_id == 10 + i
+                assert re.search(why, reply.text), reply.text
+            sock.send_multipart(encode(Message(Kind.STATS, request_id=20)))
+            stats = json.loads(_answer(sock).text)
+            assert stats["completed_steps"] == 0
+            assert sum("refused trainer 0's SEND of its step 1" in line for line in stats["log"]) == len(bad)
+            sock.send_multipart(
+                encode(
+                    Message(
+                        Kind.SEND,
+                        tensors=good,
+                        names=params,
+                        barrier=True,
+                        trainer_id=0,
+                        step=1,
+                        request_id=21,
+                    )
+                )
+            )
+            after = _answer(sock)
+            assert after.kind == Kind.VALUES
+            for name in params:  # one SGD(0.2) step of the good gradients, nothing of the refused ones
+                expected = before.tensors[name] - np.float32(0.2) * good[f"{name}@GRAD"]
+                np.testing.assert_allclose(after.tensors[name], expected, rtol=1e-6, err_msg=name)
     finally:
         context.term()
