@@ -16,6 +16,7 @@ import click
 
 from fluidps.cli.common import fail, load_program
 from fluidps.errors import Error
+from fluidps.executor import stacks
 from fluidps.executor.env import runtime_config_from_env
 from fluidps.executor.executor import Executor
 from fluidps.executor.launch.processes import READY
@@ -116,6 +117,7 @@ def serve(
     state in --snapshot. Each prints one line "NAME ready on ADDRESS" once it
     listens.
     """
+    stacks.dump_on_sigusr1()  # kill -USR1 shows where it waits
     try:
         config = _config(keys, insecure, peer_timeout)
         if profile:

@@ -28,6 +28,7 @@ given no RuntimeConfig reads them when a program first needs its runtime):
                                 every pserver's checkpoints, instead of its program's settings
   FLUIDPS_PEER_EXIT_STATUS      exit with this status when a peer's restart or silence failed
                                 the process (role_from_env installs it; fluidps.executor.peer_exit)
+  FLUIDPS_STACKS_ON_SIGUSR1     1: SIGUSR1 prints every thread's stack (fluidps.executor.stacks)
 
 Only this module, the CLI and the launcher read the environment; the objects they
 configure are given their configuration.
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 
 from fluidps.endpoints import format_endpoint, parse_endpoints
 from fluidps.errors import BuilderError, CheckpointError, TransportError
-from fluidps.executor import peer_exit
+from fluidps.executor import peer_exit, stacks
 from fluidps.executor.ps.checkpointer import CheckpointOverrides
 from fluidps.executor.runtime import RuntimeConfig
 from fluidps.executor.transport.settings import RpcSettings
@@ -129,6 +130,8 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     env = os.environ if environ is None else environ
     if environ is None and env.get(peer_exit.ENV, "").strip():  # a launched process: see peer_exit
         peer_exit.install_hook(_int(env, peer_exit.ENV, "an exit status, 1 to 125", 1, 125))
+    if environ is None and env.get(stacks.ENV, "").strip() == "1":
+        stacks.dump_on_sigusr1()
     role = _get(env, "TRAINING_ROLE", "PSERVER or TRAINER")
     if role not in ROLES:
         raise BuilderError(f"TRAINING_ROLE={role!r} is invalid: it should hold PSERVER or TRAINER")

@@ -75,6 +75,7 @@ def job_environments(
         PADDLE_PSERVERS_IP_PORT_LIST=",".join(format_endpoint(host, p) for p in ports),
         FLUIDPS_MODE=mode,
         PYTHONUNBUFFERED="1",  # lines show up as they are printed, not when a buffer fills
+        FLUIDPS_STACKS_ON_SIGUSR1="1",  # kill -USR1 shows where a process waits
         **(extra or {}),
     )
     # Each process gets its share of the cores unless the user set thread counts.

@@ -244,6 +244,33 @@ def test_job_environments_replace_inherited_contract():
     ps = jobs["pserver.1"]
     assert (ps["TRAINING_ROLE"], ps["POD_IP"], ps["PADDLE_PORT"]) == ("PSERVER", "127.0.0.1", "5001")
     assert "PADDLE_TRAINER_ID" not in ps and ps["FLUIDPS_MODE"] == "ssp" and ps["PADDLE_TRAINERS_NUM"] == "2"
+    assert all(env["FLUIDPS_STACKS_ON_SIGUSR1"] == "1" for env in jobs.values())
+
+
+WAITS = """
+import sys, time
+import fluidps
+fluidps.role_from_env()
+print("waiting", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_launched_process_prints_its_stacks_on_sigusr1(tmp_path):
+    """Where a hung process waits: SIGUSR1 prints every thread's stack and it goes on."""
+    (_, env), *_ = job_environments("127.0.0.1", [5000], 1, "sync")[1:]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WAITS], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        assert proc.poll() is None  # it goes on
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert "Current thread" in err and 'File "<string>", line 6' in err  # the sleep it waits in
 
 
 # -- output --------------------------------------------------------------------
