@@ -15,6 +15,21 @@ from rpc_harness import TRANSPORTS, Net, endpoint_for  # noqa: E402
 from helpers import build_mlp  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--under-load",
+        action="store_true",
+        help="run every test in tests/distributed while two CPU-bound processes compete "
+        "(tests marked under_load always do)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "under_load: run while two CPU-bound processes compete (tests/distributed/conftest.py)"
+    )
+
+
 @pytest.fixture
 def mlp():
     """(main, startup, loss) of the quick start's MLP."""

@@ -8,8 +8,6 @@ CEILING times the floor so that a dead peer is still found. Until a peer is warm
 (its first step is done: that step compiles its kernels, which holds the GIL for
 seconds at a time and is a pause nothing later repeats) it has the warm-up
 allowance instead.
-
-May import: nothing
 """
 
 from __future__ import annotations

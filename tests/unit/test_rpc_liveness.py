@@ -2,8 +2,9 @@
 peer timeout, restarts by their incarnation, slow replies are kept alive by heartbeats,
 timeouts are honoured, and requests given up on are forgotten.
 
-Timing checks assert which path ended a wait (the error raised); upper bounds are only
-hang guards, far below the long timeout a broken path would run into (rpc_harness.LONG).
+Timing checks assert which path ended a wait (the error raised) and that it did not
+end before its timeout; no test asserts how fast anything is. A broken path would run
+into the LONG timeout (rpc_harness.LONG), past this module's hang guard (NOT_HUNG).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from fluidps.errors import PeerLostError, RemoteError, TransportError
 from fluidps.executor.transport.rpc import wait_all
 from fluidps.executor.transport.wire import Kind, Message, encode
 
+pytestmark = pytest.mark.timeout(NOT_HUNG)  # the hang guard of every wait here
+
 # -- dead peers, restarts, timeouts --------------------------------------------------------
 
 
@@ -27,9 +30,8 @@ def test_client_talking_to_nothing_raises_peer_lost_naming_the_peer(net, endpoin
     start = time.monotonic()
     with pytest.raises(PeerLostError, match=r"pserver 3 \(.+\) has not answered for"):
         client.call(Message(Kind.GET))
-    elapsed = time.monotonic() - start
-    # not before the peer timeout; PeerLostError (not the LONG request timeout) ended it
-    assert DEAD.peer_timeout <= elapsed < NOT_HUNG
+    # not before the peer timeout; PeerLostError (not the LONG request timeout's error) ended it
+    assert time.monotonic() - start >= DEAD.peer_timeout
     with pytest.raises(PeerLostError, match=re.escape(f"({endpoint})")):
         client.call(Message(Kind.GET))
 
@@ -39,10 +41,8 @@ def test_server_that_stops_answering_is_reported_within_the_peer_timeout(net, en
     client = net.client(endpoint, DEAD, peer="pserver 0")
     assert client.call(Message(Kind.GET, text="up")).text == "up"
     harness.pause()  # hung: the socket is open, nothing answers
-    start = time.monotonic()
     with pytest.raises(PeerLostError, match=r"pserver 0 \(.+\) has not answered for"):
         client.call(Message(Kind.GET))
-    assert time.monotonic() - start < NOT_HUNG  # the peer timeout, not the LONG request timeout
 
 
 def test_server_that_closes_is_reported_within_the_peer_timeout(net, endpoint):
@@ -54,10 +54,8 @@ def test_server_that_closes_is_reported_within_the_peer_timeout(net, endpoint):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     harness.close()
-    start = time.monotonic()
     with pytest.raises(PeerLostError, match=r"pserver 0 \(.+\) has not answered for"):
         client.wait(rid)
-    assert time.monotonic() - start < NOT_HUNG  # the peer timeout, not the LONG request timeout
 
 
 def test_heartbeats_keep_a_slow_request_alive_past_the_peer_timeout(net, endpoint):
@@ -93,10 +91,8 @@ def test_inproc_server_restart_is_reported_not_a_hang(net):
     client.call(Message(Kind.GET))
     first.close()
     net.serve(endpoint)
-    start = time.monotonic()
     with pytest.raises(PeerLostError, match="has not answered for"):
         client.call(Message(Kind.GET))
-    assert time.monotonic() - start < NOT_HUNG  # the peer timeout, not the LONG request timeout
 
 
 def test_server_rejects_a_stale_incarnation(net, endpoint):
@@ -159,11 +155,9 @@ def test_wait_all_reports_a_dead_server_without_waiting_for_the_others(net, tmp_
     live, dead = endpoint_for("tcp", tmp_path), endpoint_for("tcp", tmp_path)
     net.serve(live, handler=lambda request: None)  # a barrier that never opens
     clients = {"live": net.client(live, DEAD, "pserver 0"), "dead": net.client(dead, DEAD, "pserver 1")}
-    start = time.monotonic()
     with pytest.raises(PeerLostError, match=r"pserver 1 \(.+\) has not answered for"):
         wait_all({k: (c, c.request(Message(Kind.SEND_BARRIER))) for k, c in clients.items()})
-    # waiting for pserver 0 would end in the LONG request timeout, as a TransportError
-    assert time.monotonic() - start < NOT_HUNG
+    # (waiting for pserver 0 would end in the LONG request timeout, as a TransportError)
 
 
 def test_wait_all_timeout_names_the_silent_servers(net, tmp_path):
@@ -194,9 +188,7 @@ def test_receive_returns_early_when_woken(net, endpoint):
     push.connect(wake_address)
     net.sockets += [pull, push]
     push.send(b"")
-    start = time.monotonic()
-    assert server.receive(LONG, wake=pull) == []
-    assert time.monotonic() - start < NOT_HUNG  # the wake message, not the LONG timeout, ended it
+    assert server.receive(LONG, wake=pull) == []  # the wake message ended it (or the hang guard fails it)
     assert not pull.poll(0)  # consumed
     dealer = net.raw(endpoint)
     dealer.send_multipart(encode(Message(Kind.GET, request_id=1)))
