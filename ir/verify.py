@@ -16,7 +16,7 @@ from fluidps.ir.attrs import same_kind
 from fluidps.ir.infer import InferContext, VarInfo
 from fluidps.ir.operator import Operator
 from fluidps.ir.opschema import REQUIRED, OpSchema
-from fluidps.ir.program import Block, Program
+from fluidps.ir.program import Block, Program, Variable
 from fluidps.ir.types import ELEMENT_TYPES, EMPTY_VAR_NAME, TENSOR_KINDS, AttrType
 
 Schemas = Mapping[str, OpSchema]
@@ -30,10 +30,13 @@ def verify(program: Program, schemas: Schemas) -> None:
 
 
 def check_program(program: Program, schemas: Schemas) -> list[str]:
-    """Every problem of `program`, as messages; [] when it is well formed."""
+    """Every problem of `program`, as messages; [] when it is well formed. Linear in the
+    program's size, however deep its blocks nest."""
     problems: list[str] = []
+    scope = _Scope(program)
+    cyclic = _blocks_on_cycles(program)
     for block in program.blocks:
-        problems += _check_block_links(program, block)
+        problems += _check_block_links(program, block, cyclic)
         problems += _check_vars(block)
         first_write = _first_writes(block)
         for i, op in enumerate(block.ops):
@@ -43,39 +46,71 @@ def check_program(program: Program, schemas: Schemas) -> list[str]:
                 problems.append(f"{where}: unknown op type {op.type!r}")
                 continue
             op_problems = _check_slots(op, schema) + _check_attrs(program, block, op, schema)
-            op_problems += _check_defined(block, op, i, first_write)
+            op_problems += _check_defined(block, op, i, first_write, scope)
             if not op_problems:
-                op_problems = _check_inference(block, op, schema)
+                op_problems = _check_inference(block, op, schema, scope)
             problems += [f"{where}: {p}" for p in op_problems]
     return problems
 
 
-def _check_block_links(program: Program, block: Block) -> list[str]:
+class _Scope:
+    """`Block.find_var` for every block at once, each (block, name) resolved once: a chain
+    of n nested blocks costs O(n) per name, not O(n) per lookup."""
+
+    def __init__(self, program: Program):
+        self.blocks = list(program.blocks)
+        self.parents = [b.parent_idx if 0 <= b.parent_idx < len(self.blocks) else -1 for b in self.blocks]
+        self.memo: dict[tuple[int, str], Variable | None] = {}
+
+    def find(self, block: int, name: str) -> Variable | None:
+        walked, found, idx, seen = [], None, block, set()
+        while idx >= 0 and idx not in seen:
+            if (idx, name) in self.memo:
+                found = self.memo[(idx, name)]
+                break
+            seen.add(idx)
+            walked.append(idx)
+            found = self.blocks[idx].vars.get(name)
+            if found is not None:
+                break
+            idx = self.parents[idx]
+        for i in walked:
+            self.memo[(i, name)] = found
+        return found
+
+
+def _blocks_on_cycles(program: Program) -> set[int]:
+    """Blocks whose chain of parents loops (each block visited once overall)."""
+    n = program.num_blocks
+    state = [0] * n  # 0: not seen, 1: on the current walk, 2: done
+    cyclic: set[int] = set()
+    for start in range(n):
+        path, idx = [], start
+        while 0 <= idx < n and state[idx] == 0:
+            state[idx] = 1
+            path.append(idx)
+            idx = program.blocks[idx].parent_idx
+        loops = (0 <= idx < n and state[idx] == 1) or (0 <= idx < n and idx in cyclic)
+        for i in path:
+            state[i] = 2
+            if loops:
+                cyclic.add(i)
+    return cyclic
+
+
+def _check_block_links(program: Program, block: Block, cyclic: set[int]) -> list[str]:
     where = f"block {block.idx}"
     n = program.num_blocks
     if block.idx == 0:
         bad_parent = block.parent_idx >= 0
     else:
-        bad_parent = (
-            not 0 <= block.parent_idx < n or block.parent_idx == block.idx or _has_cycle(program, block)
-        )
+        bad_parent = not 0 <= block.parent_idx < n or block.parent_idx == block.idx or block.idx in cyclic
     problems = []
     if bad_parent:
         problems.append(f"{where}: bad block index: parent_idx {block.parent_idx} (program has {n} blocks)")
     if not -1 <= block.forward_block_idx < n:
         problems.append(f"{where}: bad block index: forward_block_idx {block.forward_block_idx}")
     return problems
-
-
-def _has_cycle(program: Program, block: Block) -> bool:
-    seen = {block.idx}
-    idx = block.parent_idx
-    while 0 <= idx < program.num_blocks:
-        if idx in seen:
-            return True
-        seen.add(idx)
-        idx = program.blocks[idx].parent_idx
-    return False
 
 
 def _check_vars(block: Block) -> list[str]:
@@ -153,13 +188,15 @@ def _check_attrs(program: Program, block: Block, op: Operator, schema: OpSchema)
     return problems
 
 
-def _check_defined(block: Block, op: Operator, index: int, first_write: dict[str, int]) -> list[str]:
+def _check_defined(
+    block: Block, op: Operator, index: int, first_write: dict[str, int], scope: _Scope
+) -> list[str]:
     problems = []
     for slot, args in op.inputs.items():
         for name in args:
             if name == EMPTY_VAR_NAME:
                 continue
-            var = block.find_var(name)
+            var = scope.find(block.idx, name)
             if var is None:
                 problems.append(f"input {slot} reads {name!r}, which no enclosing block declares")
             elif (
@@ -171,17 +208,17 @@ def _check_defined(block: Block, op: Operator, index: int, first_write: dict[str
                 problems.append(f"input {slot} reads {name!r} before op #{first_write[name]} writes it")
     for slot, args in op.outputs.items():
         for name in args:
-            if name != EMPTY_VAR_NAME and block.find_var(name) is None:
+            if name != EMPTY_VAR_NAME and scope.find(block.idx, name) is None:
                 problems.append(f"output {slot} writes {name!r}, which no enclosing block declares")
     return problems
 
 
-def _check_inference(block: Block, op: Operator, schema: OpSchema) -> list[str]:
+def _check_inference(block: Block, op: Operator, schema: OpSchema, scope: _Scope) -> list[str]:
     if schema.infer is None:
         return []
 
     def lookup(name: str) -> VarInfo | None:
-        var = block.find_var(name)
+        var = scope.find(block.idx, name)
         return None if var is None else VarInfo.of(var)
 
     ctx = InferContext(op, schema, lookup)
@@ -191,7 +228,7 @@ def _check_inference(block: Block, op: Operator, schema: OpSchema) -> list[str]:
         return [str(e)]
     problems = []
     for name, inferred in ctx.results.items():
-        var = block.find_var(name)
+        var = scope.find(block.idx, name)
         if var is None or var.type not in TENSOR_KINDS:
             continue
         if inferred.type != var.type:

@@ -130,6 +130,28 @@ def test_bad_block_indices():
     assert "block 0: bad block index: forward_block_idx 4" in text
 
 
+def _chain(depth: int) -> fluidps.Program:
+    """Blocks nested `depth` deep, each reading block 0's x into a variable of its own."""
+    program = fluidps.Program()
+    program.global_block().create_var("x", shape=[2, 3], dtype="float32", persistable=True)
+    for i in range(1, depth):
+        block = program.create_block(parent_idx=i - 1)
+        block.create_var(f"y{i}", shape=[2, 3], dtype="float32")
+        # unchecked: append_op's own inference would walk the chain (as a parser does not)
+        block._append_op_unchecked("scale", {"X": ["x"]}, {"Out": [f"y{i}"]}, {"scale": 2.0})
+    return program
+
+
+@pytest.mark.timeout(120)  # a hang guard: the quadratic walk took minutes on 8,000 blocks
+def test_verify_is_linear_in_how_deep_blocks_nest():
+    program = fluidps.Program.parse_from_string(_chain(20_000).serialize_to_string())
+    assert fluidps.check(program) == []
+    program.block(5).parent_idx = 9  # a loop: 9 -> 8 -> ... -> 5 -> 9; the blocks below it too
+    problems = fluidps.check(program)
+    looped = sorted(int(p.split()[1].rstrip(":")) for p in problems if "bad block index: parent_idx" in p)
+    assert looped[:6] == [5, 6, 7, 8, 9, 10] and len(looped) == 20_000 - 5
+
+
 def test_block_attribute_out_of_range_on_a_known_op():
     program = _tiny()
     op = program.global_block().ops[0]
