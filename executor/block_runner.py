@@ -46,6 +46,11 @@ class BlockRunner:
                 self.runners.append(REGISTRY.build_kernel(op, runtime))
             except Error as e:
                 raise type(e)(f"block {block.idx}, op #{i} ({op.type}): {e}") from None
+            except (MemoryError, ValueError, OverflowError) as e:  # a constant too large to make
+                raise ExecutionError(
+                    f"block {block.idx}, op #{i} ({op.type}): cannot build its kernel "
+                    f"({type(e).__name__}: {e or 'out of memory'}); check its attributes"
+                ) from None
         # Persistable variables this block writes (shared state when blocks run on threads).
         self.writes = {
             n

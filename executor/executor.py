@@ -23,6 +23,7 @@ from fluidps.executor.scope import Scope, Value
 from fluidps.ir.program import Program
 from fluidps.ir.types import EMPTY_VAR_NAME, FEED_VAR_NAME, FETCH_VAR_NAME, TENSOR_KINDS, to_numpy_dtype
 from fluidps.ir.variable import Variable
+from fluidps.ops import verify as verify_program
 from fluidps.ops.selected_rows import SelectedRows
 
 if TYPE_CHECKING:
@@ -282,6 +283,11 @@ class Executor:
             stale = [k for k in per_program if k[0] != program.revision]
             for k in stale:  # an edited program's older versions will not run again
                 del per_program[k]
+            if not any(k[0] == program.revision for k in per_program):
+                # Once per program version, before any kernel is built: a program the
+                # kernels would misread (an attribute out of its range, a block that is its
+                # own parent) is refused with every problem named, not run.
+                verify_program(program)
             runtime = self.runtime if needs_runtime(program) else None
             prepared = per_program[key] = PreparedProgram(program, fetch_names, runtime)
         return prepared

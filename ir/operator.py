@@ -156,6 +156,12 @@ class Operator(TouchOnAssign):
         self._put_attr(name, value, attr_type)
         self._touch()
 
+    def remove_attr(self, name: str) -> None:
+        """Drop an attribute (one its op type does not define, after an edit of `type`)."""
+        self.attr(name)  # raises with the available names when missing
+        del self._attrs[name]
+        self._touch()
+
     def block_attr(self, name: str) -> Block:
         """The sub-block a BLOCK attribute refers to."""
         return self._program_block(self.attr(name))

@@ -226,6 +226,14 @@ def _check_inference(block: Block, op: Operator, schema: OpSchema, scope: _Scope
         schema.infer(ctx)
     except ShapeError as e:
         return [str(e)]
+    except (
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        OverflowError,
+    ) as e:  # what the rules did not foresee
+        return [f"its attributes or inputs cannot be inferred from ({type(e).__name__}: {e})"]
     problems = []
     for name, inferred in ctx.results.items():
         var = scope.find(block.idx, name)

@@ -60,6 +60,9 @@ def effective_dilations(algorithm: str, dilations: Sequence[int]) -> list[int]:
 def explicit_paddings(ctx: InferContext, in_hw, kernel_hw, strides, dilations=(1, 1)) -> list[int]:
     """`resolve_paddings` with the op's attributes; a bad paddings list fails inference.
     (`dilations` is accepted for compatibility: SAME ignores them, as in Fluid.)"""
+    given = ctx.attr("paddings")
+    if any(p < 0 for p in given):
+        ctx.fail(f"paddings={given} must be >= 0 (a window cannot start inside the input's edge)")
     try:
         return resolve_paddings(
             ctx.attr("padding_algorithm"), ctx.attr("paddings"), in_hw, kernel_hw, strides

@@ -11,7 +11,7 @@ import numpy as np
 from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext, VarInfo
 from fluidps.ir.opschema import GradContext, GradOpDesc
-from fluidps.ir.types import VarType, to_numpy_dtype
+from fluidps.ir.types import ELEMENT_TYPES, VarType, to_numpy_dtype
 from fluidps.ops.defs import In, Int, Out, backend_hints
 from fluidps.ops.kernel import Env, KernelOp, Runner
 from fluidps.ops.registry import OpFamily
@@ -49,7 +49,11 @@ def _cast_grad(ctx: GradContext) -> list[GradOpDesc]:
 def _infer_cast(ctx: InferContext) -> None:
     """Out = X converted to `out_dtype` (a VarType number)."""
     x = ctx.input("X")
-    ctx.set_output("Out", x.shape, VarType(ctx.attr("out_dtype")), type=x.type)
+    code = ctx.attr("out_dtype")
+    if code not in {int(t) for t in ELEMENT_TYPES}:
+        names = ", ".join(f"{int(t)} ({t.name})" for t in sorted(ELEMENT_TYPES))
+        ctx.fail(f"out_dtype={code} is not an element type; use one of {names}")
+    ctx.set_output("Out", x.shape, VarType(code), type=x.type)
 
 
 def _sparse_input(ctx: InferContext) -> VarInfo:

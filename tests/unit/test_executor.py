@@ -148,6 +148,64 @@ def test_kernel_failures_name_block_op_and_variables():
     assert "ids int64[2, 1]" in text and "embedding_0.w_0 float32[10, 4]" in text
 
 
+def _edited(build, op_type: str, **attrs):
+    """A program of `build`'s ops whose `op_type` op got `attrs` (as a file could say)."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        build()
+    (op,) = [op for op in main.global_block().ops if op.type == op_type]
+    for name, value in attrs.items():
+        op.set_attr(name, value)
+    return fluidps.Program.parse_from_string(main.serialize_to_string())
+
+
+@pytest.mark.parametrize(
+    "build, op_type, attrs, why",
+    [
+        (lambda: layers.cast(layers.data("x", [3]), "float64"), "cast", {"out_dtype": 999},
+         "out_dtype=999 is not an element type"),
+        (lambda: layers.reduce_sum(layers.data("x", [3]), dim=1), "reduce_sum", {"dim": [99]},
+         "dim 99 is out of range for rank 2"),
+        (lambda: layers.elementwise_add(layers.data("x", [3]), layers.data("y", [3])), "elementwise_add",
+         {"axis": 7}, "axis 7 cannot align"),
+        (lambda: layers.conv2d(layers.data("x", [1, 8, 8]), 2, 3), "conv2d", {"dilations": [0, 0]},
+         r"dilations=\[0, 0\]"),
+        (lambda: layers.pool2d(layers.data("x", [1, 8, 8]), 2), "pool2d", {"ksize": [0, 0]}, r"bad ksize=\[0, 0\]"),
+        (lambda: layers.pool2d(layers.data("x", [1, 8, 8]), 2), "pool2d", {"paddings": [-1, -1]},
+         r"paddings=\[-1, -1\] must be >= 0"),
+        (lambda: layers.conv2d(layers.data("x", [1, 8, 8]), 2, 3), "conv2d", {"strides": [0, 0]},
+         r"strides=\[0, 0\]"),
+    ],
+)  # fmt: skip
+def test_a_program_the_kernels_would_misread_is_refused_before_it_runs(build, op_type, attrs, why):
+    """Executor.run verifies each program version once, before building a kernel: an
+    attribute outside its op's rules is a VerifyError naming the block, the op and the
+    rule, never numpy's words, a wrong result or a crash in a kernel."""
+    program = _edited(build, op_type, **attrs)
+    with pytest.raises(fluidps.VerifyError, match=rf"block 0, op #0 \({op_type}\): .*{why}"):
+        fluidps.Executor().run(program, feed={}, fetch_list=[])
+
+
+@pytest.mark.parametrize("shape", [[2**40], [2**62, 2**62]])
+def test_a_constant_too_large_to_make_is_an_error_naming_the_op(shape):
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        out = layers.fill_constant([2], "float32", 1.0)
+    main.global_block().ops[0].set_attr("shape", shape)
+    out.shape = tuple(shape)  # declared as made: verify has nothing to say
+    with pytest.raises(fluidps.ExecutionError, match=r"op #0 \(fill_constant\): cannot build its kernel"):
+        fluidps.Executor().run(main, fetch_list=[])
+
+
+def test_a_block_that_is_its_own_parent_is_refused_before_it_runs():
+    main, _, _, _ = _linear()
+    main.create_block()
+    main.rollback()
+    main.block(1).parent_idx = 1
+    with pytest.raises(fluidps.VerifyError, match="block 1: bad block index: parent_idx 1"):
+        fluidps.Executor().run(main, feed={"x": np.ones((1, 3), np.float32)})
+
+
 def test_programs_with_feed_and_fetch_ops_run(tmp_path):
     main, startup, _x, out = _linear()
     exe = fluidps.Executor()
