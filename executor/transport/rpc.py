@@ -26,6 +26,7 @@ import zmq
 from fluidps.endpoints import zmq_address
 from fluidps.errors import PeerLostError, PeerRestartedError, RemoteError, TransportError, WireError
 from fluidps.executor.transport.liveness import SilenceClock
+from fluidps.executor.transport.ratelimit import RateLimitedLog
 from fluidps.executor.transport.security import check_bind
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
@@ -324,6 +325,7 @@ class RpcServer:
         check_bind(self.address, settings.security, settings.insecure)
         self.incarnation = secrets.randbits(63) | 1
         self.rejected = 0
+        self._log_rejected = RateLimitedLog(lambda line: print(f"{name}: {line}", flush=True))
         self._socket = context.socket(zmq.ROUTER)
         _common_options(self._socket, settings)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -388,6 +390,7 @@ class RpcServer:
             msg = self._decode(body)
         except WireError as e:
             self.rejected += 1
+            self._log_rejected(f"rejected a malformed message from client {client.hex()}: {e}")
             self._send(client, Message(Kind.ERROR, text=f"{self.name} rejected a malformed message: {e}"))
             return None
         if msg.trainer_id >= 0:

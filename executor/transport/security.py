@@ -29,6 +29,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from fluidps.errors import TransportError
+from fluidps.executor.transport.ratelimit import RateLimitedLog
 
 ALLOWED = "allowed"
 # A context's authenticator stopped moments ago frees its address on ZeroMQ's
@@ -119,10 +120,25 @@ _lock = threading.Lock()
 _shared: dict[int, _SharedAuthenticator] = {}  # id(context) ->
 
 
+class _RefusalLog:
+    """The authenticator's log: its refusals of clients, one line each (rate-limited);
+    its chatter about what it allowed, nothing."""
+
+    def __init__(self) -> None:
+        self._say = RateLimitedLog(lambda line: print(line, flush=True))
+
+    def debug(self, message: str, *args: object) -> None:
+        text = message % args if args else message
+        if text.startswith("DENIED"):
+            self._say(f"CURVE authenticator refused a client: {text}")
+
+    info = warning = error = exception = debug
+
+
 def _start(context: zmq.Context) -> ThreadAuthenticator:
     deadline = time.monotonic() + _RESTART_WAIT
     while True:
-        auth = ThreadAuthenticator(context)
+        auth = ThreadAuthenticator(context, log=_RefusalLog())
         try:
             auth.start()
             return auth

@@ -15,6 +15,7 @@ from rpc_harness import FAST, endpoint_for, lose_requests, receive_until, recv
 
 from fluidps.endpoints import zmq_address
 from fluidps.errors import RemoteError, TransportError
+from fluidps.executor.transport.ratelimit import RateLimitedLog
 from fluidps.executor.transport.rpc import Request, RpcClient
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
 
@@ -145,6 +146,28 @@ def test_malformed_message_gets_an_error_and_the_server_keeps_serving(net, endpo
     client = net.client(endpoint)
     assert client.call(Message(Kind.GET, text="still here")).text == "still here"
     assert harness.server.rejected == 1
+
+
+def test_rejected_messages_are_logged_one_line_at_a_time(net, endpoint, capsys):
+    harness = net.serve(endpoint)
+    dealer = net.raw(endpoint)
+    for _ in range(5):
+        dealer.send_multipart([b"garbage"])
+        assert recv(dealer).kind == Kind.ERROR
+    lines = [line for line in capsys.readouterr().out.splitlines() if "rejected a malformed message" in line]
+    # the first at once; the next ones held back within the rate limit (counted, not lost)
+    assert len(lines) == 1 and lines[0].startswith("test server: rejected a malformed message from client ")
+    assert harness.server.rejected == 5
+
+
+def test_a_rate_limited_log_says_how_many_lines_it_held_back():
+    said, now = [], [0.0]
+    log = RateLimitedLog(said.append, every=10.0, clock=lambda: now[0])
+    for t in (0.0, 1.0, 2.0, 10.5, 11.0):
+        now[0] = t
+        log(f"bad message at {t}")
+    assert said == ["bad message at 0.0", "bad message at 10.5 (2 more like it in the last 10 s)"]
+    assert log.held == 1
 
 
 @pytest.mark.parametrize("kind", ["tcp", "ipc"])  # inproc:// passes messages by pointer: no size limit

@@ -172,7 +172,7 @@ def test_allowed_client_gets_encrypted_replies(served, keys):
     assert served.server._socket.mechanism == zmq.CURVE
 
 
-def test_client_with_a_key_not_allowed_is_refused(served, keys, tmp_path):
+def test_client_with_a_key_not_allowed_is_refused(served, keys, tmp_path, capfd):
     intruder_dir = generate_keys(tmp_path / "intruder")
     # it knows the server's public key, so it can attempt the handshake
     shutil.copy(keys.directory / "server.key", intruder_dir / "server.key")
@@ -182,6 +182,7 @@ def test_client_with_a_key_not_allowed_is_refused(served, keys, tmp_path):
     refused(intruder)
     assert allowed.call(Message(Kind.GET, text="after")).text == "after"
     assert [m.text for m in served.delivered] == ["before", "after"]
+    assert "CURVE authenticator refused a client: DENIED" in capfd.readouterr().out  # said, rate-limited
 
 
 def test_allowed_key_added_before_the_server_starts_is_accepted(tmp_path):
