@@ -27,6 +27,7 @@ import zmq
 
 from fluidps.errors import Error
 from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
+from fluidps.executor.transport.liveness import SilenceClock
 from fluidps.executor.transport.rpc import Request, RpcServer
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import OPTIONAL_FLOAT, Kind, Message, json_fields
@@ -44,6 +45,9 @@ READ_REQUEST = {
     "seed": int,
 }
 DEFAULT_MAX_FAILURES = 3
+# A lease stretches to this many times the longest gap between its trainer's messages:
+# they come every timeout / 3 while it works, so only a slower trainer stretches it.
+LEASE_STRETCH = 2.0
 
 
 class Coordinator:
@@ -65,6 +69,7 @@ class Coordinator:
         self._context = zmq.Context()
         self._running = True
         self._started = time.monotonic()
+        self._clocks: dict[str, SilenceClock] = {}  # per trainer process: its silences
         if self.snapshot is not None and self.snapshot.exists():
             self._resume()
         self.server = RpcServer(self._context, endpoint, name, self.settings)
@@ -101,14 +106,33 @@ class Coordinator:
             return
         expired = self.queue.expire(time.monotonic())
         for lease, outcome in expired:
-            why = f"timed out after {self.queue.timeout:g} s without word from its trainer"
+            why = f"timed out after {self.queue.allowed(lease):g} s without word from its trainer"
             self._report_failure(lease, why, outcome)
         if expired:
             self._save()
 
+    def _clock(self, msg: Message) -> SilenceClock:
+        key = f"{msg.sender:x}"
+        if key not in self._clocks:
+            warmup = max(self.task_timeout, self.settings.warmup_timeout)
+            self._clocks[key] = SilenceClock(self.task_timeout, warmup, time.monotonic(), LEASE_STRETCH)
+        return self._clocks[key]
+
+    def _allowance(self, msg: Message) -> float:
+        """How long the lease of this trainer's process may go without word: the task
+        timeout, stretched to LEASE_STRETCH times the longest gap between its messages
+        lately (a slow machine renews late, it is not dead), or the warm-up timeout
+        until it finished a task."""
+        clock = self._clock(msg)
+        if (report := clock.stretch_report()) is not None:
+            self.log(f"trainer {msg.trainer_id}'s task lease: {report}")
+        return clock.allowance()
+
     def _handle(self, request: Request) -> None:
         msg = request.msg
         self._expire()
+        if msg.kind in (Kind.TASK_GET, Kind.TASK_RENEW, Kind.TASK_DONE, Kind.TASK_FAILED):
+            self._clock(msg).heard(time.monotonic())
         try:
             if msg.kind == Kind.HELLO:
                 self.server.reply(request)
@@ -149,7 +173,7 @@ class Coordinator:
         pass_before, worker = queue.pass_index, f"{msg.sender:x}"
         for lease, outcome in queue.replaced(msg.trainer_id, worker):
             self._report_failure(lease, f"trainer {msg.trainer_id} restarted while it held the task", outcome)
-        got = queue.acquire(msg.trainer_id, worker, time.monotonic())
+        got = queue.acquire(msg.trainer_id, worker, time.monotonic(), self._allowance(msg))
         self._after_change(pass_before)
         if isinstance(got, str):
             return Message(Kind.NO_TASK, text=got)
@@ -173,13 +197,14 @@ class Coordinator:
         pass_before = queue.pass_index
         if msg.kind == Kind.TASK_RENEW:
             lease_id = json_fields(msg.text, {"lease": int})["lease"]
-            ok = queue.renew(lease_id, worker, time.monotonic())
+            ok = queue.renew(lease_id, worker, time.monotonic(), self._allowance(msg))
             return Message(Kind.OK, text="renewed" if ok else "stale")
         if msg.kind == Kind.TASK_DONE:
             fields = json_fields(msg.text, {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT})
             if fields["samples"] < 0 or (fields["loss"] is not None and not math.isfinite(fields["loss"])):
                 raise Error(f"a task report needs samples >= 0 and a finite loss, got {msg.text!r}")
             counted = queue.finish(fields["lease"], worker, fields["samples"], fields["loss"])
+            self._clock(msg).warm = True  # it did a task: its first step's compiles are behind it
             if not counted:
                 self.log(
                     f"trainer {msg.trainer_id} finished lease {fields['lease']}, which is no longer its: not counted"

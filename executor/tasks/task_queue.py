@@ -37,6 +37,7 @@ class Lease:
     worker: str  # the trainer process's incarnation
     attempt: int  # failures the task had when this lease was given
     deadline: float = 0.0
+    allowed: float = 0.0  # the seconds of silence its deadline allows (the queue's timeout, or stretched)
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,10 @@ class TaskQueue:
         old = [le for le in self.pending.values() if le.trainer == trainer and le.worker != worker]
         return [(le, self._failed(le, f"trainer {trainer} restarted while it held the task")) for le in old]
 
-    def acquire(self, trainer: int, worker: str, now: float) -> Lease | str:
+    def acquire(self, trainer: int, worker: str, now: float, allowed: float | None = None) -> Lease | str:
         """A lease on the next task, the same lease again if this worker already holds one,
-        "wait" (the pass ends once the pending tasks finish) or "finished"."""
+        "wait" (the pass ends once the pending tasks finish) or "finished". Its deadline
+        is `allowed` seconds away (default: the queue's timeout)."""
         self.expire(now)
         self.replaced(trainer, worker)
         for lease in self.pending.values():
@@ -101,7 +103,10 @@ class TaskQueue:
         if not self.todo:
             return "wait"
         task = self.todo.popleft()
-        lease = Lease(self.next_lease, task, trainer, worker, self.failures.get(task, 0), now + self.timeout)
+        allowed = allowed or self.timeout
+        lease = Lease(
+            self.next_lease, task, trainer, worker, self.failures.get(task, 0), now + allowed, allowed
+        )
         self.next_lease += 1
         self.pending[task] = lease
         return lease
@@ -139,14 +144,19 @@ class TaskQueue:
     def expire(self, now: float) -> list[tuple[Lease, str]]:
         """Fail every lease past its deadline: [(lease, "requeued" or "discarded")]."""
         late = [lease for lease in self.pending.values() if lease.deadline <= now]
-        return [(lease, self._failed(lease, f"timed out after {self.timeout:g} s")) for lease in late]
+        return [(lease, self._failed(lease, f"timed out after {self.allowed(lease):g} s")) for lease in late]
 
-    def renew(self, lease_id: int, worker: str, now: float) -> bool:
-        """Push a current lease's deadline back (its trainer is alive and working on it)."""
+    def allowed(self, lease: Lease) -> float:
+        return lease.allowed or self.timeout
+
+    def renew(self, lease_id: int, worker: str, now: float, allowed: float | None = None) -> bool:
+        """Push a current lease's deadline back (its trainer is alive and working on it),
+        `allowed` seconds away (default: the queue's timeout)."""
         lease = self._current(lease_id, worker)
         if lease is None:
             return False
-        lease.deadline = now + self.timeout
+        lease.allowed = allowed or self.timeout
+        lease.deadline = now + lease.allowed
         return True
 
     # -- inside ----------------------------------------------------------------------------
@@ -231,7 +241,8 @@ class TaskQueue:
             "pass": self.pass_index,
             "todo": list(self.todo),
             "pending": [
-                {k: v for k, v in asdict(lease).items() if k != "deadline"} for lease in self.pending.values()
+                {k: v for k, v in asdict(lease).items() if k not in ("deadline", "allowed")}
+                for lease in self.pending.values()
             ],
             "done": self.done,
             "failures": {str(t): n for t, n in self.failures.items()},
@@ -257,7 +268,7 @@ class TaskQueue:
             queue.todo = deque(int(t) for t in snapshot["todo"])
             queue.pending = {}
             for item in snapshot["pending"]:
-                lease = Lease(**item, deadline=now + queue.timeout)
+                lease = Lease(**item, deadline=now + queue.timeout, allowed=queue.timeout)
                 queue.pending[lease.task] = lease
             queue.done = [int(t) for t in snapshot["done"]]
             queue.failures = {int(t): int(n) for t, n in snapshot["failures"].items()}

@@ -23,8 +23,8 @@ REPORT_GROWTH = 1.5  # say so each time the allowance grew this much since last 
 class SilenceClock:
     """One peer's silence: when it was last heard from, and how long it may be silent."""
 
-    def __init__(self, floor: float, warmup: float, now: float):
-        self.floor, self.warmup = floor, max(floor, warmup)
+    def __init__(self, floor: float, warmup: float, now: float, stretch: float = STRETCH):
+        self.floor, self.warmup, self.stretch = floor, max(floor, warmup), stretch
         self.last = now
         self.gaps: deque[float] = deque(maxlen=WINDOW)
         self.warm = False
@@ -47,7 +47,7 @@ class SilenceClock:
         step (a client waiting for the reply to a step's request)."""
         if not self.warm and first_step:
             return self.warmup
-        stretched = STRETCH * max(self.gaps, default=0.0)
+        stretched = self.stretch * max(self.gaps, default=0.0)
         return min(max(self.floor, stretched), CEILING * self.floor)
 
     def silent_for(self, now: float) -> float:

@@ -82,6 +82,18 @@ def test_renewing_keeps_a_slow_trainer_s_lease():
     assert not q.renew(lease.id, "someone else", now=8)
 
 
+def test_a_lease_may_allow_longer_than_the_queue_s_timeout_and_says_so_when_it_expires():
+    """The coordinator stretches a slow trainer's lease (or gives a new one its warm-up
+    allowance): the deadline is as far as it allowed, and the expiry names it."""
+    q = queue(n=1, timeout=5.0, max_failures=0)
+    lease = q.acquire(0, "w0", now=0, allowed=12.0)
+    assert q.expire(now=11) == [] and lease.allowed == 12.0
+    assert q.renew(lease.id, "w0", now=11, allowed=20.0) and q.expire(now=30) == []
+    assert "allowed" not in str(q.to_snapshot())  # a restored queue starts every lease afresh
+    ((late, outcome),) = q.expire(now=31.5)
+    assert late is lease and outcome == "discarded" and q.discarded == {0: "timed out after 20 s"}
+
+
 def test_a_restarted_trainer_gives_its_old_task_back_with_a_failure():
     q = queue(n=2)
     old = q.acquire(0, "first incarnation", now=0)
