@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -193,3 +195,33 @@ def test_mutated_programs_raise_only_fluidps_errors(data):
         else:
             del raw[pos:]
     _exercise(bytes(raw))
+
+
+def _training_mlp() -> tuple[fluidps.Program, fluidps.Program]:
+    main, startup, loss = build_mlp()
+    with fluidps.program_guard(main, startup):
+        fluidps.optimizer.Adam(0.01).minimize(loss)
+    return main, startup
+
+
+_MLP_MAIN, _MLP_STARTUP = _training_mlp()
+_MLP_FEED = {"x": np.ones((4, 64), np.float32), "y": np.zeros((4, 1), np.int64)}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_programs_run_or_fail_with_fluidps_errors(data):
+    """A parseable mutation of a training program, run by the Executor (which verifies
+    it first) on a real feed: it trains, or fails with a fluidps.Error, never numpy's or
+    Python's own error and never a crash in a kernel."""
+    raw = bytearray(_MLP_MAIN.serialize_to_string())
+    for _ in range(data.draw(st.integers(1, 8))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        program = fluidps.Program.parse_from_string(bytes(raw))
+    except fluidps.Error:
+        return
+    exe = fluidps.Executor()
+    exe.run(_MLP_STARTUP)
+    with contextlib.suppress(fluidps.Error):
+        exe.run(program, feed=_MLP_FEED, fetch_list=[])
