@@ -1,8 +1,9 @@
 """Request / reply over ZeroMQ ROUTER (servers) and DEALER (clients) sockets.
 
 Every wait is bounded. A client waiting for a reply pings the server with
-application heartbeats; a server that says nothing for `peer_timeout`
-seconds is reported dead by name. Requests carry ids: a server answers a
+application heartbeats; a server that says nothing for longer than its
+allowance (`peer_timeout`, stretched for a slow server: liveness.py) is
+reported dead by name. Requests carry ids: a server answers a
 repeated id from its reply cache instead of running it again, so a client
 may resend a request the server says it does not hold (lost on a
 reconnect). Replies carry the server's incarnation, drawn at random when it
@@ -160,7 +161,9 @@ class RpcClient:
     def poll(self, rid: int, timeout: float) -> Message | None:
         """Wait at most `timeout` seconds for the reply to `rid`: the reply, or None.
         Pings the server while waiting and raises PeerLostError once it has been
-        silent for peer_timeout (counted from `begin_wait`), RemoteError if it erred."""
+        silent for longer than its allowance (counted from `begin_wait`; the peer
+        timeout, stretched as fluidps.executor.transport.liveness says), RemoteError
+        if it erred."""
         if rid not in self._replies:
             self._drain()  # what arrived while this thread was busy counts before any silence
             now = time.monotonic()
