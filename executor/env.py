@@ -17,7 +17,10 @@ manifests runs unchanged:
 process's runtime talks to the others (`runtime_config_from_env`; an Executor
 given no RuntimeConfig reads them when a program first needs its runtime):
 
-  FLUIDPS_PEER_TIMEOUT          seconds of silence after which a peer is dead
+  FLUIDPS_PEER_TIMEOUT          seconds of silence after which a peer is dead (a floor: it
+                                stretches for a slow peer; fluidps.executor.transport.liveness)
+  FLUIDPS_WARMUP_TIMEOUT        a peer's allowance until its first step is done (120)
+  FLUIDPS_REJOIN_TIMEOUT        how long a pserver whose trainers were all evicted waits (600)
   FLUIDPS_REQUEST_TIMEOUT       seconds any reply may take
   FLUIDPS_MAX_MESSAGE_BYTES     the largest message accepted
   FLUIDPS_KEYS, FLUIDPS_INSECURE  CURVE keys (fluidps keys gen); serve non-loopback in the clear
@@ -162,14 +165,19 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
 
 
 def rpc_settings_from_env(environ: Mapping[str, str] | None = None) -> RpcSettings:
-    """RpcSettings from FLUIDPS_PEER_TIMEOUT, FLUIDPS_REQUEST_TIMEOUT, FLUIDPS_MAX_MESSAGE_BYTES,
-    FLUIDPS_KEYS, FLUIDPS_INSECURE and FLUIDPS_ELASTIC (os.environ unless given)."""
+    """RpcSettings from FLUIDPS_PEER_TIMEOUT, FLUIDPS_WARMUP_TIMEOUT, FLUIDPS_REJOIN_TIMEOUT,
+    FLUIDPS_REQUEST_TIMEOUT, FLUIDPS_MAX_MESSAGE_BYTES, FLUIDPS_KEYS, FLUIDPS_INSECURE and
+    FLUIDPS_ELASTIC (os.environ unless given)."""
     env = os.environ if environ is None else environ
     settings = RpcSettings()
-    if "FLUIDPS_PEER_TIMEOUT" in env:
-        settings = settings.with_(peer_timeout=_seconds(env, "FLUIDPS_PEER_TIMEOUT"))
-    if "FLUIDPS_REQUEST_TIMEOUT" in env:
-        settings = settings.with_(request_timeout=_seconds(env, "FLUIDPS_REQUEST_TIMEOUT"))
+    for var, field in (
+        ("FLUIDPS_PEER_TIMEOUT", "peer_timeout"),
+        ("FLUIDPS_WARMUP_TIMEOUT", "warmup_timeout"),
+        ("FLUIDPS_REJOIN_TIMEOUT", "rejoin_timeout"),
+        ("FLUIDPS_REQUEST_TIMEOUT", "request_timeout"),
+    ):
+        if var in env:
+            settings = settings.with_(**{field: _seconds(env, var)})
     if "FLUIDPS_MAX_MESSAGE_BYTES" in env:
         text = env["FLUIDPS_MAX_MESSAGE_BYTES"]
         if not (_DIGITS.fullmatch(text) and 0 < int(text) <= 1 << 40):

@@ -141,6 +141,10 @@ def test_rpc_settings_from_env(tmp_path):
     for bad in ("abc", "", "0", "-1", "nan", "inf"):
         with pytest.raises(TransportError, match=f"FLUIDPS_PEER_TIMEOUT='{bad}' is invalid"):
             rpc_settings_from_env({"FLUIDPS_PEER_TIMEOUT": bad})
+    waits = rpc_settings_from_env({"FLUIDPS_WARMUP_TIMEOUT": "300", "FLUIDPS_REJOIN_TIMEOUT": "3600"})
+    assert (waits.warmup_timeout, waits.rejoin_timeout) == (300.0, 3600.0)
+    with pytest.raises(TransportError, match="FLUIDPS_REJOIN_TIMEOUT='0' is invalid"):
+        rpc_settings_from_env({"FLUIDPS_REJOIN_TIMEOUT": "0"})
 
 
 def test_runtime_config_from_env():
