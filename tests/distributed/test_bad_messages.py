@@ -50,6 +50,16 @@ def _model() -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
     return main, startup, loss
 
 
+def _gradients() -> dict[str, np.ndarray]:
+    """One step's gradients of _model()'s four parameters, each a distinct constant."""
+    return {
+        "fc_0.w_0@GRAD": np.full((8, 16), 0.5, np.float32),
+        "fc_0.b_0@GRAD": np.full(16, 0.25, np.float32),
+        "fc_1.w_0@GRAD": np.full((16, 3), -1.0, np.float32),
+        "fc_1.b_0@GRAD": np.full(3, 2.0, np.float32),
+    }
+
+
 def _batch(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(16, 8)).astype("float32")
@@ -304,12 +314,7 @@ def test_a_gradient_sent_again_in_a_step_counts_once(tmp_path):
     gradient again in that step (a retried request, or a new one: a restarted trainer
     redoing its step) is dropped, with a log line, not applied twice or mixed into the
     next step."""
-    grads = {
-        "fc_0.w_0@GRAD": np.full((8, 16), 0.5, np.float32),
-        "fc_0.b_0@GRAD": np.full(16, 0.25, np.float32),
-        "fc_1.w_0@GRAD": np.full((16, 3), -1.0, np.float32),
-        "fc_1.b_0@GRAD": np.full(3, 2.0, np.float32),
-    }
+    grads = _gradients()
     params = [g.removesuffix("@GRAD") for g in grads]
     context = zmq.Context()
     try:
@@ -341,12 +346,7 @@ def test_gradients_of_a_step_already_closed_are_dropped(tmp_path):
     s or lower (a late or duplicated message with a new request id) belongs to a step
     already closed: it is dropped with a log line, not mixed into the next step, and a
     repeated barrier does not close a step on its own."""
-    first = {
-        "fc_0.w_0@GRAD": np.full((8, 16), 0.5, np.float32),
-        "fc_0.b_0@GRAD": np.full(16, 0.25, np.float32),
-        "fc_1.w_0@GRAD": np.full((16, 3), -1.0, np.float32),
-        "fc_1.b_0@GRAD": np.full(3, 2.0, np.float32),
-    }
+    first = _gradients()
     second = {name: -3 * value for name, value in first.items()}
     params = [g.removesuffix("@GRAD") for g in first]
     context = zmq.Context()
@@ -396,12 +396,7 @@ def test_a_step_without_a_gradient_leaves_its_slice_as_it_was(tmp_path):
     optimizes (a trainer program that does not match): the step completes with the
     others, that slice keeps its value (its copy holds the step before's gradient,
     which is not applied again), and the pserver says which gradient it missed."""
-    grads = {
-        "fc_0.w_0@GRAD": np.full((8, 16), 0.5, np.float32),
-        "fc_0.b_0@GRAD": np.full(16, 0.25, np.float32),
-        "fc_1.w_0@GRAD": np.full((16, 3), -1.0, np.float32),
-        "fc_1.b_0@GRAD": np.full(3, 2.0, np.float32),
-    }
+    grads = _gradients()
     partial = {name: value for name, value in grads.items() if name != "fc_1.b_0@GRAD"}
     params = [g.removesuffix("@GRAD") for g in grads]
     context = zmq.Context()
@@ -436,12 +431,7 @@ def test_a_gradient_of_the_wrong_shape_or_dtype_is_refused_whole(tmp_path):
     dtype, dense for sparse) is refused, naming the gradient, what it must be and what
     it is; nothing of it is stored or applied (the good gradient beside it neither), the
     step is not closed by its barrier, and the right gradients train on afterwards."""
-    good = {
-        "fc_0.w_0@GRAD": np.full((8, 16), 0.5, np.float32),
-        "fc_0.b_0@GRAD": np.full(16, 0.25, np.float32),
-        "fc_1.w_0@GRAD": np.full((16, 3), -1.0, np.float32),
-        "fc_1.b_0@GRAD": np.full(3, 2.0, np.float32),
-    }
+    good = _gradients()
     params = [g.removesuffix("@GRAD") for g in good]
     bad = [
         ({"fc_0.w_0@GRAD": np.ones((3, 3), np.float64)}, r"'fc_0.w_0@GRAD' must be float32, got float64\[3, 3\]"),
