@@ -90,7 +90,7 @@ def _blocks_on_cycles(program: Program) -> set[int]:
             state[idx] = 1
             path.append(idx)
             idx = program.blocks[idx].parent_idx
-        loops = (0 <= idx < n and state[idx] == 1) or (0 <= idx < n and idx in cyclic)
+        loops = 0 <= idx < n and (state[idx] == 1 or idx in cyclic)
         for i in path:
             state[i] = 2
             if loops:

@@ -27,6 +27,7 @@ class SilenceClock:
         self.floor, self.warmup, self.stretch = floor, max(floor, warmup), stretch
         self.last = now
         self.gaps: deque[float] = deque(maxlen=WINDOW)
+        self.longest = 0.0  # of `gaps`: kept as they change, since every wait asks for it
         self.warm = False
         self._said = floor  # the allowance last reported
 
@@ -35,6 +36,7 @@ class SilenceClock:
         warm-up allowance covers its first step's pauses)."""
         if self.warm:
             self.gaps.append(max(now - self.last, 0.0))
+            self.longest = max(self.gaps)
         self.last = max(self.last, now)
 
     def restart(self, now: float) -> None:
@@ -47,7 +49,7 @@ class SilenceClock:
         step (a client waiting for the reply to a step's request)."""
         if not self.warm and first_step:
             return self.warmup
-        stretched = self.stretch * max(self.gaps, default=0.0)
+        stretched = self.stretch * self.longest
         return min(max(self.floor, stretched), CEILING * self.floor)
 
     def silent_for(self, now: float) -> float:
@@ -64,5 +66,5 @@ class SilenceClock:
         self._said = allowance
         return (
             f"peer timeout stretched to {allowance:.1f} s (configured {self.floor:g} s): its messages "
-            f"came up to {max(self.gaps):.2f} s apart lately"
+            f"came up to {self.longest:.2f} s apart lately"
         )

@@ -165,9 +165,10 @@ class RpcClient:
         timeout, stretched as fluidps.executor.transport.liveness says), RemoteError
         if it erred."""
         if rid not in self._replies:
-            self._drain()  # what arrived while this thread was busy counts before any silence
             now = time.monotonic()
             first_step = rid in self._sent and self._sent[rid][2] in WARMING_KINDS
+            if self.silence.expired(now, first_step):
+                self._drain()  # what arrived while this thread was busy counts before any silence
             if rid not in self._replies and self.silence.expired(now, first_step):
                 self.lost = True
                 raise PeerLostError(
