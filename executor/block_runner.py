@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 import numpy as np
 
 from fluidps.errors import EOFException, Error, ExecutionError, NoDataYet
+from fluidps.ir.infer import VarInfo
 from fluidps.ir.program import Block
-from fluidps.ir.types import EMPTY_VAR_NAME
+from fluidps.ir.types import EMPTY_VAR_NAME, VarType, to_vartype
 from fluidps.ops import REGISTRY
 from fluidps.ops.kernel import Runner
 from fluidps.ops.runtime_api import KernelRuntime
@@ -89,7 +91,35 @@ class BlockRunner:
                 for s, names in sorted(mapping.items())
             )
 
+        if not isinstance(error, Error):  # numpy's or numba's words: ours, where the shapes tell
+            error = _shape_problem(op, env) or error
         return (
             f"block {self.block.idx}, op #{index} ({op.type}) failed: {error}\n  inputs:  {slots(op.inputs)}\n"
             f"  outputs: {', '.join(op.output_arg_names)}"
         )
+
+
+def _shape_problem(op: Any, env: Any) -> str | None:
+    """Why the values `op` was given at run time do not fit together, as its shape
+    inference says with their actual shapes (the declared ones let batch sizes vary),
+    or None when inference finds nothing wrong."""
+    block = op.block
+
+    def lookup(name: str) -> VarInfo | None:
+        value, var = env.get(name), block.find_var(name)
+        info = None if var is None else VarInfo.of(var)
+        if isinstance(value, np.ndarray):
+            dtype = info.dtype if info is not None else None
+            with contextlib.suppress(Exception):
+                dtype = to_vartype(value.dtype)
+            kind = info.type if info is not None else VarType.LOD_TENSOR
+            return VarInfo(name, kind, dtype, tuple(value.shape), info.lod_level if info else 0)
+        return info
+
+    try:
+        REGISTRY.infer(op, lookup)
+    except Error as e:
+        return f"{e}: the values it was given at run time do not fit together; check the feeds' shapes"
+    except Exception:  # inference itself could not read these values: keep the kernel's error
+        return None
+    return None

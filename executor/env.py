@@ -32,6 +32,12 @@ given no RuntimeConfig reads them when a program first needs its runtime):
   FLUIDPS_PEER_EXIT_STATUS      exit with this status when a peer's restart or silence failed
                                 the process (role_from_env installs it; fluidps.executor.peer_exit)
   FLUIDPS_STACKS_ON_SIGUSR1     1: SIGUSR1 prints every thread's stack (fluidps.executor.stacks)
+  FLUIDPS_INCARNATION, FLUIDPS_REPLACES
+                                this process's incarnation (hex; default: drawn at random) and,
+                                for a restarted trainer, its predecessor's: pservers hand its
+                                trainer id over at once (fluidps.executor.ps.membership)
+  FLUIDPS_TRAINER_INCARNATIONS  a pserver's: every trainer's incarnation, comma-separated (a
+                                message claiming a trainer id with another one is refused)
 
 Only this module, the CLI and the launcher read the environment; the objects they
 configure are given their configuration.
@@ -42,6 +48,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -73,6 +80,9 @@ CONTRACT_VARS = (
     "FLUIDPS_CHECKPOINT_EVERY_SECONDS",
     "FLUIDPS_CHECKPOINT_KEEP",
     "FLUIDPS_CHECKPOINT_BASE_EVERY",
+    "FLUIDPS_INCARNATION",
+    "FLUIDPS_REPLACES",
+    "FLUIDPS_TRAINER_INCARNATIONS",
 )
 
 # int() would also take "+3", "1_000" or "٣"; a rank or port is plain ASCII digits.
@@ -193,6 +203,10 @@ def rpc_settings_from_env(environ: Mapping[str, str] | None = None) -> RpcSettin
         settings = settings.with_(security=Security.from_dir(env["FLUIDPS_KEYS"]))
     if env.get("FLUIDPS_INSECURE") == "1":
         settings = settings.with_(insecure=True)
+    if env.get(TRAINER_INCARNATIONS_ENV, "").strip():
+        texts = env[TRAINER_INCARNATIONS_ENV].split(",")
+        incarnations = tuple(_incarnation(t, TRAINER_INCARNATIONS_ENV, required=True) for t in texts)
+        settings = settings.with_(trainer_incarnations=incarnations)
     return settings
 
 
@@ -205,7 +219,34 @@ def runtime_config_from_env(environ: Mapping[str, str] | None = None) -> Runtime
         coordinator=env.get("FLUIDPS_COORDINATOR", "").strip() or None,
         checkpoints=checkpoint_overrides_from_env(env),
         profile=env.get("FLUIDPS_PROFILE", "").strip() == "1",
+        incarnation=_incarnation(env.get(INCARNATION_ENV, ""), INCARNATION_ENV),
+        replaces=_incarnation(env.get(REPLACES_ENV, ""), REPLACES_ENV),
     )
+
+
+# Set by a launcher: each process's incarnation and, for a restarted one, its predecessor's;
+# on pservers, every trainer's.
+INCARNATION_ENV, REPLACES_ENV = "FLUIDPS_INCARNATION", "FLUIDPS_REPLACES"
+TRAINER_INCARNATIONS_ENV = "FLUIDPS_TRAINER_INCARNATIONS"
+_HEX = re.compile(r"[0-9a-f]{1,16}")
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation, as a launcher writes it into FLUIDPS_INCARNATION."""
+    return f"{secrets.randbits(63) | 1:x}"
+
+
+def _incarnation(text: str, name: str, required: bool = False) -> int:
+    """An incarnation written in hex (0: none written, unless `required`)."""
+    text = text.strip()
+    if not text and not required:
+        return 0
+    if not _HEX.fullmatch(text) or not 0 < int(text, 16) < 1 << 63:
+        raise BuilderError(
+            f"{name}={text!r} is invalid: it should hold an incarnation, 1 to 16 hex digits below 2**63"
+            + (" each, comma-separated" if required else "")
+        )
+    return int(text, 16)
 
 
 def checkpoint_overrides_from_env(environ: Mapping[str, str] | None = None) -> CheckpointOverrides:

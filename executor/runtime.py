@@ -50,6 +50,10 @@ class RuntimeConfig:
     runtime's `profile`; trainers and pservers report it in their stats).
     `context`: a zmq.Context to share with the other participants in this process
     (needed for inproc:// endpoints; None: the runtime makes and closes its own).
+    `incarnation`: this process's incarnation (0: drawn at random), and `replaces`: the
+    incarnation of the same trainer id that it replaces (a launcher that restarts a
+    trainer says which; pservers then hand the id over at once: see
+    fluidps.executor.ps.membership).
     `fluidps.executor.env.runtime_config_from_env` reads one from the
     environment contract.
     """
@@ -59,13 +63,15 @@ class RuntimeConfig:
     checkpoints: CheckpointOverrides = field(default_factory=CheckpointOverrides)
     context: Any = None
     profile: bool = False
+    incarnation: int = 0
+    replaces: int = 0
 
 
 class Runtime:
     def __init__(self, config: RuntimeConfig):
         self.config = config
         # This participant's incarnation: pservers tell a restarted trainer from its old self by it.
-        self.sender = secrets.randbits(63) | 1
+        self.sender = config.incarnation or secrets.randbits(63) | 1
         self.profile = Profile() if config.profile else None
         self._context: zmq.Context | None = None
         self._trainer: TrainerClient | None = None
@@ -83,7 +89,9 @@ class Runtime:
         if self._trainer is None:
             from fluidps.executor.ps.trainer_client import TrainerClient  # loads ZeroMQ
 
-            self._trainer = TrainerClient(self.settings, self.sender, self.context_for, self.profile)
+            self._trainer = TrainerClient(
+                self.settings, self.sender, self.context_for, self.profile, self.config.replaces
+            )
         return self._trainer
 
     @property

@@ -115,7 +115,8 @@ def _bmm(a, b):
 
 def _matrix(x: np.ndarray, num_col_dims: int) -> np.ndarray:
     rows = int(np.prod(x.shape[:num_col_dims], dtype=np.int64))
-    return contiguous(x).reshape(rows, -1)
+    cols = int(np.prod(x.shape[num_col_dims:], dtype=np.int64))  # (not -1: rows may be 0)
+    return contiguous(x).reshape(rows, cols)
 
 
 @family.kernel("mul")

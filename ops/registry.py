@@ -189,7 +189,7 @@ class OpRegistry(Mapping[str, OpSchema]):
             types[spec.name] = spec.type
         op = Operator(block, type, inputs, outputs, attrs, types)
         self._check_slots(op, schema)
-        results = self._infer(op, schema, block)
+        results = self._infer(op, block)
         for name, info in results.items():
             var = block.find_var(name)
             if var is None:
@@ -200,15 +200,19 @@ class OpRegistry(Mapping[str, OpSchema]):
         block._insert_operator(len(block.ops) if index is None else index, op)
         return op
 
-    @staticmethod
-    def _infer(op: Operator, schema: OpSchema, block: Block) -> dict[str, VarInfo]:
-        if schema.infer is None:
-            return {}
-
+    def _infer(self, op: Operator, block: Block) -> dict[str, VarInfo]:
         def lookup(name: str) -> VarInfo | None:
             var = block.find_var(name)
             return None if var is None else VarInfo.of(var)
 
+        return self.infer(op, lookup)
+
+    def infer(self, op: Operator, lookup: Callable[[str], VarInfo | None]) -> dict[str, VarInfo]:
+        """Run `op`'s shape inference on what `lookup` says of its variables (the
+        block's declarations, or the values a kernel was given); raises ShapeError."""
+        schema = self.schema(op.type)
+        if schema.infer is None:
+            return {}
         ctx = InferContext(op, schema, lookup)
         schema.infer(ctx)
         return ctx.results

@@ -6,6 +6,7 @@ shape, as Fluid does) so their gradients need only XShape, not X.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -255,8 +256,13 @@ def _split_kernel(op: KernelOp) -> Runner:
 
 
 def _reshape_target(target: list[int], x_shape: tuple[int, ...]) -> list[int]:
-    """`target` with 0 replaced by X's dimension there (numpy resolves the -1)."""
-    return [x_shape[i] if d == 0 else d for i, d in enumerate(target)]
+    """`target` with 0 replaced by X's dimension there. numpy resolves a -1, except
+    beside a 0 (an empty batch): then it is resolved as for a batch of one."""
+    shape = [x_shape[i] if d == 0 else d for i, d in enumerate(target)]
+    if -1 in shape and 0 in shape:
+        known = math.prod(max(d, 1) for d in shape if d != -1)
+        shape[shape.index(-1)] = math.prod(max(d, 1) for d in x_shape) // known
+    return shape
 
 
 def _layout_kernel(op: KernelOp, new_shape: Callable[[tuple[int, ...]], Sequence[int]]) -> Runner:

@@ -32,7 +32,13 @@ from typing import IO, BinaryIO
 
 from fluidps.endpoints import format_endpoint, pick_free_ports
 from fluidps.errors import BuilderError
-from fluidps.executor.env import CONTRACT_VARS
+from fluidps.executor.env import (
+    CONTRACT_VARS,
+    INCARNATION_ENV,
+    REPLACES_ENV,
+    TRAINER_INCARNATIONS_ENV,
+    new_incarnation,
+)
 from fluidps.executor.launch.processes import reap_group, stop_groups, thread_limits
 from fluidps.transpiler.config import MODES
 
@@ -82,12 +88,16 @@ def job_environments(
     share = max((os.cpu_count() or 1) // (len(ports) + trainers), 1)
     for name, value in thread_limits(share).items():
         env.setdefault(name, value)
-    jobs = [
-        (f"pserver.{i}", env | {"TRAINING_ROLE": "PSERVER", "POD_IP": host, "PADDLE_PORT": str(port)})
-        for i, port in enumerate(ports)
-    ]
+    # Every trainer's incarnation, known to the pservers before any trainer speaks: no
+    # other process can claim a trainer id (fluidps.executor.ps.membership).
+    incarnations = [new_incarnation() for _ in range(trainers)]
+    pserver = {"TRAINING_ROLE": "PSERVER", "POD_IP": host, TRAINER_INCARNATIONS_ENV: ",".join(incarnations)}
+    jobs = [(f"pserver.{i}", env | pserver | {"PADDLE_PORT": str(port)}) for i, port in enumerate(ports)]
     jobs += [
-        (f"trainer.{i}", env | {"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(i)})
+        (
+            f"trainer.{i}",
+            env | {"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(i), INCARNATION_ENV: incarnations[i]},
+        )
         for i in range(trainers)
     ]
     return jobs
@@ -197,6 +207,17 @@ class Launcher:
         self, name: str, env: dict[str, str], command: list[str] | None = None, restarts: int = 0
     ) -> None:
         command = command or [self.python, self.script, *self.args]
+        old = next((i for i, c in enumerate(self.children) if c.name == name), None)
+        env = {k: v for k, v in env.items() if k != REPLACES_ENV}
+        if old is not None:
+            # A restarted process is a new incarnation naming the one it replaces, so that
+            # its pservers hand its trainer id over at once; a restarted pserver learns the
+            # trainers' incarnations of now.
+            env[REPLACES_ENV] = self.children[old].env.get(INCARNATION_ENV, "")
+            env[INCARNATION_ENV] = new_incarnation()
+            if TRAINER_INCARNATIONS_ENV in env:
+                env[TRAINER_INCARNATIONS_ENV] = self._trainer_incarnations()
+        env.setdefault(INCARNATION_ENV, new_incarnation())
         log = None
         if self.log_dir is not None:
             try:
@@ -220,7 +241,6 @@ class Launcher:
         child = Child(name, proc, command, env, log, restarts=restarts)
         if self.announce_pids:
             self._say(f"started {name} (pid {proc.pid})")
-        old = next((i for i, c in enumerate(self.children) if c.name == name), None)
         if old is None:
             self.children.append(child)
         else:  # a restart: the old process's pipes still drain; run() closes them at the end
@@ -233,6 +253,11 @@ class Launcher:
             t = threading.Thread(target=self._pump, args=(child, pipe, dest), name=f"{name}-out", daemon=True)
             t.start()
             child.readers.append(t)
+
+    def _trainer_incarnations(self) -> str:
+        """The incarnations of the trainers running now, in trainer id order."""
+        trainers = {c.name: c.env.get(INCARNATION_ENV, "") for c in self.children}
+        return ",".join(trainers[f"trainer.{i}"] for i in range(self.trainers))
 
     def _reap(self, child: Child) -> bool:
         """Whether `child` has exited; if so, what it left in its group is killed and it is reaped."""

@@ -55,9 +55,10 @@ class Communicator:
         max_merge: int,
         log_after: float,
         profile: Profile | None = None,
+        replaces: int = 0,
     ):
         self.settings = settings
-        self.trainer_id, self.sender = trainer_id, sender
+        self.trainer_id, self.sender, self.replaces = trainer_id, sender, replaces
         self.queue_size, self.max_merge, self.log_after = queue_size, max_merge, log_after
         self._context_for = context_for
         self._profile = profile
@@ -233,6 +234,7 @@ class Communicator:
                     self.settings,
                     self.trainer_id,
                     self.sender,
+                    replaces=self.replaces,
                 )
             pending[endpoint] = (clients[endpoint], clients[endpoint].request(msg))
         return wait_all(pending)

@@ -38,9 +38,11 @@ import numpy as np
 
 from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
 from fluidps.executor.ps.checkpointer import Checkpointer
-from fluidps.executor.ps.membership import DONE, Membership
+from fluidps.executor.ps.membership import DONE, Claim, Membership
+from fluidps.executor.ps.message_limit import message_limit
 from fluidps.executor.ps.strategies import STRATEGIES
 from fluidps.executor.resources import resident_bytes
+from fluidps.executor.transport.ratelimit import RateLimitedLog
 from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
@@ -59,6 +61,7 @@ _PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (s
 
 # What a pserver remembers for its stats stays bounded however long the job runs.
 CLOCK_LOG_LIMIT = 100_000  # clock and grant events
+CLAIMS_LIMIT = 64  # connections whose new incarnation waits for a trainer id (more are refused)
 ROWS_LIMIT = 1 << 22  # sparse row ids per gradient (its counts go on past it)
 # Over the wire (STATS) the stats are compact: the recent clock log, and which rows arrived
 # only while they are few; a message's text must stay far below the wire's limit.
@@ -162,16 +165,25 @@ class ParameterServer:
         self.declared = set(program.global_block().vars)
         self.grad_specs = {g: GradientSpec.of(program.global_block().vars.get(g)) for g in self.grad_block}
         self.served = {n for n, v in program.global_block().vars.items() if v.persistable}
+        if self.settings.max_message_bytes is None:  # else set by hand: it wins
+            limit = message_limit(program.global_block().vars, self.served | set(self.grad_block))
+            self.settings = self.settings.with_(max_message_bytes=limit)
         self.tables = set(op.attr("distributed_tables"))  # whose rows trainers PREFETCH
         unserved = sorted(self.tables - self.served)
         if unserved:
             raise ExecutionError(
                 f"{self.name}: distributed tables {unserved} are not persistable variables here"
             )
-        self.members = Membership(self.fanin, elastic=self.settings.elastic, on_event=self.log)
+        self.members = Membership(
+            self.fanin, self.settings.elastic, self.log, expected=self.settings.trainer_incarnations
+        )
         self.clock_log: deque[dict[str, Any]] = deque(maxlen=CLOCK_LOG_LIMIT)
         self.received_rows: dict[str, RowLog] = {}  # sparse gradients: which rows arrived
         self.deferred: list[Request] = []
+        # Per connection whose new incarnation claims a trainer id another one holds: since
+        # when, and its requests in order (see Membership).
+        self.claims: dict[bytes, tuple[float, list[Request]]] = {}
+        self._log_claim = RateLimitedLog(self.log)  # (a stranger could make many)
         # Async: SENDs acknowledged once their gradients are applied, and when that is.
         self.unapplied: list[tuple[Request, Callable[[], bool]]] = []
         self._waker: Waker | None = None
@@ -209,6 +221,7 @@ class ParameterServer:
                     self.last_heard = time.monotonic()
                     self._handle(request)
                 self._check_trainers()
+                self._retry_claims()
                 self._check_rejoin()
                 self._answer_deferred()
                 self._maybe_checkpoint()
@@ -291,6 +304,7 @@ class ParameterServer:
                 n: v.stats() for n in self.served if isinstance(v := self.env.get(n), SparseTable)
             },
             "rss_bytes": resident_bytes(),
+            "max_message_bytes": self.settings.message_limit,
         }
         if rows is not None:
             out["received_rows"] = rows
@@ -313,9 +327,16 @@ class ParameterServer:
                     request, f"{self.name} serves trainers 0..{self.fanin - 1}, not {msg.trainer_id}"
                 )
                 return
+            if request.client in self.claims:  # its claim waits: so do its later requests
+                self.claims[request.client][1].append(request)
+                return
             try:
-                self._admit(msg)
+                self._admit(request)
+            except Claim as claim:
+                self._wait_for(request, claim)
+                return
             except TransportError as e:
+                self.server.log_rejected(f"refused {msg.kind_name} as trainer {msg.trainer_id}: {e}")
                 self.server.error(request, f"{self.name}: {e}")
                 return
         handler = {
@@ -345,10 +366,10 @@ class ParameterServer:
         except Error as e:
             self.server.error(request, f"{self.name}: {e}")
 
-    def _admit(self, msg: Message) -> None:
-        trainer = msg.trainer_id
+    def _admit(self, request: Request) -> None:
+        msg, trainer = request.msg, request.msg.trainer_id
         before = self.members.members[trainer].sender
-        self.members.admit(trainer, msg.sender)
+        self.members.admit(trainer, msg.sender, request.client, msg.replaces)
         member = self.members.members[trainer]
         if before and member.sender != before:  # a new incarnation replaced an old one
             self._forget(trainer)
@@ -356,6 +377,48 @@ class ParameterServer:
             raise TransportError(f"trainer {trainer} already said it is done")
         if msg.kind in (Kind.SEND, Kind.SEND_BARRIER):
             self.members.resume(trainer)
+
+    def _wait_for(self, request: Request, claim: Claim) -> None:
+        """A new incarnation claims a trainer id a live one holds: its requests wait
+        until the holder is evicted for its silence (see _retry_claims)."""
+        if len(self.claims) >= CLAIMS_LIMIT:
+            self.server.error(request, f"{self.name}: {claim}; too many processes wait to claim trainer ids")
+            return
+        self._log_claim(
+            f"incarnation {request.msg.sender:x} claims trainer {claim.trainer}, held by incarnation "
+            f"{claim.holder:x}: it waits until that one is evicted for its silence (a restarted trainer "
+            f"that names the one it replaces, as the launcher's do, takes over at once)"
+        )
+        self.claims[request.client] = (time.monotonic(), [request])
+
+    def _retry_claims(self) -> None:
+        """Let waiting claims in once their trainer id is free; refuse those whose holder
+        kept proving alive for longer than its allowance and a peer timeout (it would
+        have been evicted by then were it gone): two processes claim one trainer id."""
+        now = time.monotonic()
+        for connection, (since, requests) in list(self.claims.items()):
+            msg = requests[0].msg
+            holder = self.members.members[msg.trainer_id].sender
+            if holder not in (0, msg.sender):
+                silence = self.server.heard.get((msg.trainer_id, holder))
+                allowed = (silence.allowance() if silence else self.settings.warmup_timeout) + (
+                    self.settings.peer_timeout
+                )
+                if now - since <= allowed:
+                    continue
+                del self.claims[connection]
+                why = (
+                    f"trainer {msg.trainer_id} is held by incarnation {holder:x}, which is alive; incarnation "
+                    f"{msg.sender:x} waited {now - since:.1f} s for it: two processes were started with one "
+                    "trainer id, or a restarted one did not name the incarnation it replaces (FLUIDPS_REPLACES)"
+                )
+                self.log(why)  # (at most CLAIMS_LIMIT per allowance: no flood)
+                for request in requests:
+                    self.server.error(request, f"{self.name}: {why}")
+                continue
+            del self.claims[connection]
+            for request in requests:
+                self._handle(request)
 
     def _forget(self, trainer: int) -> None:
         """Drop what a trainer's old incarnation started: its barrier and its waiting GETs."""

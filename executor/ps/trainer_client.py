@@ -50,10 +50,12 @@ class TrainerClient:
         sender: int,
         context_for: Callable[[str], zmq.Context],
         profile: Profile | None = None,
+        replaces: int = 0,
     ):
         self.settings = settings
         self.profile = profile
         self.sender = sender  # this process's incarnation: pservers tell a restarted trainer by it
+        self.replaces = replaces  # the incarnation of this trainer id it replaces, if its launcher said
         self._context_for = context_for
         self.step = 0
         self.trainer_id = 0  # learnt from the first pserver client a trainer program opens
@@ -78,6 +80,7 @@ class TrainerClient:
                 trainer_id,
                 self.sender,
                 self.profile,
+                self.replaces,
             )
             if trainer_id >= 0:
                 self.trainer_id = trainer_id
@@ -136,6 +139,7 @@ class TrainerClient:
                 trainer_id,
                 self.sender,
                 self._context_for,
+                replaces=self.replaces,
                 queue_size=communicate.queue_size,
                 max_merge=communicate.max_merge,
                 log_after=self.settings.send_queue_log_after,

@@ -42,7 +42,7 @@ _REBIND_WAIT = 2.0
 
 def _common_options(socket: zmq.Socket, settings: RpcSettings) -> None:
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
+    socket.setsockopt(zmq.MAXMSGSIZE, settings.message_limit)
     ivl = max(int(settings.heartbeat_interval * 1000), 100)
     socket.setsockopt(zmq.HEARTBEAT_IVL, ivl)
     socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(settings.peer_timeout * 1000))
@@ -91,6 +91,7 @@ class RpcClient:
         trainer_id: int = -1,
         sender: int = 0,
         profile: Profile | None = None,
+        replaces: int = 0,
     ):
         self.endpoint = endpoint
         self._encode = _timed(profile, "serialize", encode)  # timed in a profiled process
@@ -99,6 +100,7 @@ class RpcClient:
         self.settings = settings
         self.trainer_id = trainer_id
         self.sender = sender  # this process's incarnation, stamped on every message
+        self.replaces = replaces  # a trainer's: the incarnation of its id it replaces (see Membership)
         self.incarnation = 0
         self.lost = False  # it went silent once: talking to it again would only wait again
         self._socket = connect_dealer(context, endpoint, settings, f"c{trainer_id}")
@@ -116,6 +118,7 @@ class RpcClient:
         if msg.trainer_id < 0:
             msg.trainer_id = self.trainer_id
         msg.sender = msg.sender or self.sender
+        msg.replaces = msg.replaces or self.replaces
         frames = self._encode(msg)
         # Not sent (no peer to queue it for): sent at 0, so it goes as soon as a server answers.
         sent = self._send(frames)
@@ -329,7 +332,7 @@ class RpcServer:
         check_bind(self.address, settings.security, settings.insecure)
         self.incarnation = secrets.randbits(63) | 1
         self.rejected = 0
-        self._log_rejected = RateLimitedLog(lambda line: print(f"{name}: {line}", flush=True))
+        self.log_rejected = RateLimitedLog(lambda line: print(f"{name}: {line}", flush=True))
         self._socket = context.socket(zmq.ROUTER)
         _common_options(self._socket, settings)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -394,7 +397,7 @@ class RpcServer:
             msg = self._decode(body)
         except WireError as e:
             self.rejected += 1
-            self._log_rejected(f"rejected a malformed message from client {client.hex()}: {e}")
+            self.log_rejected(f"rejected a malformed message from client {client.hex()}: {e}")
             self._send(client, Message(Kind.ERROR, text=f"{self.name} rejected a malformed message: {e}"))
             return None
         if msg.trainer_id >= 0:

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from fluidps.executor.transport.security import Security
 
 
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 34
+
+
 @dataclass(frozen=True)
 class RpcSettings:
     heartbeat_interval: float = 0.5  # seconds between application heartbeats while waiting
@@ -24,7 +27,10 @@ class RpcSettings:
     warmup_timeout: float = 120.0
     request_timeout: float = 600.0  # the longest any reply may take (barriers wait for slow trainers)
     retry_after: float = 2.0  # resend a request the server says it does not hold after this long
-    max_message_bytes: int = 1 << 34  # ZeroMQ drops larger messages and their sender's connection
+    # ZeroMQ drops a larger message unread, with its sender's connection. None: a pserver
+    # derives its limit from its plan (fluidps.executor.ps.message_limit); other
+    # sockets take DEFAULT_MAX_MESSAGE_BYTES (a batch or a program has no static bound).
+    max_message_bytes: int | None = None
     security: Security | None = None
     insecure: bool = False  # allow serving non-loopback addresses without CURVE
     # Trainers are disposable (a coordinator hands out the data): pservers evict a trainer
@@ -35,6 +41,13 @@ class RpcSettings:
     rejoin_timeout: float = 600.0
     # An async trainer blocked on its communicator's full send queue logs it this often.
     send_queue_log_after: float = 10.0
+    # A pserver's: each trainer's incarnation, as the launcher that started them said
+    # (empty: each trainer id goes to the first incarnation that speaks for it).
+    trainer_incarnations: tuple[int, ...] = ()
 
     def with_(self, **changes: Any) -> RpcSettings:
         return replace(self, **changes)
+
+    @property
+    def message_limit(self) -> int:
+        return self.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES

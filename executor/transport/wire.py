@@ -61,6 +61,7 @@ class Message:
     pending: list[int] = field(default_factory=list)
     sender: int = 0  # the sending process's incarnation (0: not said)
     barrier: bool = False  # SEND: also the trainer's send barrier of its step
+    replaces: int = 0  # a trainer's messages: the incarnation of its id it replaces (0: none)
 
     @property
     def kind_name(self) -> str:
@@ -95,6 +96,8 @@ def encode(msg: Message) -> list[Any]:
     header.incarnation = msg.incarnation
     header.sender = msg.sender
     header.barrier = msg.barrier
+    if msg.replaces:
+        header.replaces = msg.replaces
     frames: list[Any] = []
     for name, value in msg.tensors.items():
         meta = header.tensors.add(name=name)
@@ -175,6 +178,7 @@ def decode(frames: list[Any]) -> Message:
         pending=list(header.pending),
         sender=header.sender,
         barrier=header.barrier,
+        replaces=header.replaces,
     )
 
 

@@ -24,6 +24,8 @@ import fluidps
 from fluidps import layers, optimizer
 from fluidps.errors import TransportError
 from fluidps.executor.env import rpc_settings_from_env
+from fluidps.executor.ps.keepalive import Keepalive
+from fluidps.executor.ps.message_limit import FLOOR
 from fluidps.executor.transport import wire_pb2 as pb
 from fluidps.executor.transport.rpc import RpcClient
 from fluidps.executor.transport.settings import RpcSettings
@@ -37,6 +39,7 @@ READY = " ready on "
 WAIT = 30.0  # seconds: the bound of every wait for an answer
 MAX_BYTES = 100_000
 SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+TRAINER = 0x7A1  # the incarnation (sender) of these tests' trainer 0
 
 
 def _model() -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
@@ -148,7 +151,9 @@ def _edit_header(frames: list[bytes], edit) -> list[bytes]:
 
 def _send(name: str, value, request_id: int = 1) -> Message:
     # trainer 0's gradient, as a trainer would send it (if one got through, it would count)
-    return Message(Kind.SEND, tensors={name: value}, trainer_id=0, step=1, request_id=request_id)
+    return Message(
+        Kind.SEND, tensors={name: value}, trainer_id=0, sender=TRAINER, step=1, request_id=request_id
+    )
 
 
 GRAD = np.ones((8, 16), np.float32)
@@ -322,10 +327,12 @@ def test_a_gradient_sent_again_in_a_step_counts_once(tmp_path):
             sock.send_multipart(encode(Message(Kind.GET, names=params, request_id=1)))  # an observer
             before = _answer(sock)
             assert before is not None and before.kind == Kind.VALUES
-            first = Message(Kind.SEND, tensors=grads, trainer_id=0, step=1, request_id=2)
+            first = Message(Kind.SEND, tensors=grads, trainer_id=0, sender=TRAINER, step=1, request_id=2)
             for request_id in (2, 3):  # 2: the same request retried; 3: the same gradients anew
                 sock.send_multipart(encode(Message(**{**vars(first), "request_id": request_id})))
-            step = Message(Kind.SEND, names=params, barrier=True, trainer_id=0, step=1, request_id=4)
+            step = Message(
+                Kind.SEND, names=params, barrier=True, trainer_id=0, sender=TRAINER, step=1, request_id=4
+            )
             sock.send_multipart(encode(step))
             replies = [_answer(sock) for _ in range(3)]
             assert [(r.kind, r.request_id) for r in replies] == [(Kind.OK, 2), (Kind.OK, 3), (Kind.VALUES, 4)]
@@ -357,13 +364,29 @@ def test_gradients_of_a_step_already_closed_are_dropped(tmp_path):
             assert before is not None and before.kind == Kind.VALUES
             requests = [
                 Message(
-                    Kind.SEND, tensors=first, names=params, barrier=True, trainer_id=0, step=1, request_id=2
+                    Kind.SEND,
+                    tensors=first,
+                    names=params,
+                    barrier=True,
+                    trainer_id=0,
+                    sender=TRAINER,
+                    step=1,
+                    request_id=2,
                 ),
                 # step 1 again, late: its gradients, then its barrier alone
-                Message(Kind.SEND, tensors=first, trainer_id=0, step=1, request_id=3),
-                Message(Kind.SEND, names=params, barrier=True, trainer_id=0, step=1, request_id=4),
+                Message(Kind.SEND, tensors=first, trainer_id=0, sender=TRAINER, step=1, request_id=3),
                 Message(
-                    Kind.SEND, tensors=second, names=params, barrier=True, trainer_id=0, step=2, request_id=5
+                    Kind.SEND, names=params, barrier=True, trainer_id=0, sender=TRAINER, step=1, request_id=4
+                ),
+                Message(
+                    Kind.SEND,
+                    tensors=second,
+                    names=params,
+                    barrier=True,
+                    trainer_id=0,
+                    sender=TRAINER,
+                    step=2,
+                    request_id=5,
                 ),
             ]
             for msg in requests:
@@ -404,10 +427,24 @@ def test_a_step_without_a_gradient_leaves_its_slice_as_it_was(tmp_path):
         with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
             steps = [
                 Message(
-                    Kind.SEND, tensors=grads, names=params, barrier=True, trainer_id=0, step=1, request_id=1
+                    Kind.SEND,
+                    tensors=grads,
+                    names=params,
+                    barrier=True,
+                    trainer_id=0,
+                    sender=TRAINER,
+                    step=1,
+                    request_id=1,
                 ),
                 Message(
-                    Kind.SEND, tensors=partial, names=params, barrier=True, trainer_id=0, step=2, request_id=2
+                    Kind.SEND,
+                    tensors=partial,
+                    names=params,
+                    barrier=True,
+                    trainer_id=0,
+                    sender=TRAINER,
+                    step=2,
+                    request_id=2,
                 ),
             ]
             for msg in steps:
@@ -454,6 +491,7 @@ def test_a_gradient_of_the_wrong_shape_or_dtype_is_refused_whole(tmp_path):
                     names=params,
                     barrier=True,
                     trainer_id=0,
+                    sender=TRAINER,
                     step=1,
                     request_id=10 + i,
                 )
@@ -473,6 +511,7 @@ def test_a_gradient_of_the_wrong_shape_or_dtype_is_refused_whole(tmp_path):
                         names=params,
                         barrier=True,
                         trainer_id=0,
+                        sender=TRAINER,
                         step=1,
                         request_id=21,
                     )
@@ -484,4 +523,196 @@ def test_a_gradient_of_the_wrong_shape_or_dtype_is_refused_whole(tmp_path):
                 expected = before.tensors[name] - np.float32(0.2) * good[f"{name}@GRAD"]
                 np.testing.assert_allclose(after.tensors[name], expected, rtol=1e-6, err_msg=name)
     finally:
+        context.term()
+
+
+def test_a_forged_or_corrupted_header_cannot_take_over_a_trainer_id(tmp_path):
+    """In an elastic job, trainer 0 (a raw socket, with a keepalive) trains. Then:
+    - a header of its own connection claiming another incarnation or trainer is refused;
+    - a new connection claiming trainer 0 without naming its incarnation waits, and is
+      refused once trainer 0 kept proving alive, which trains on meanwhile;
+    - a restarted incarnation that names it (as a launcher's does) takes over at once,
+      and the old one is refused from then on."""
+    grads = _gradients()
+    params = [g.removesuffix("@GRAD") for g in grads]
+    forged, restarted = 0xF0F0, 0xBEEF
+
+    def step(n: int, sender: int, request_id: int, replaces: int = 0) -> list:
+        return encode(
+            Message(
+                Kind.SEND,
+                tensors=grads,
+                names=params,
+                barrier=True,
+                trainer_id=0,
+                step=n,
+                request_id=request_id,
+                sender=sender,
+                replaces=replaces,
+            )
+        )
+
+    env = {"FLUIDPS_ELASTIC": "1", "FLUIDPS_PEER_TIMEOUT": "2"}
+    context = zmq.Context()
+    keepalive = None
+    try:
+        with _pserver(tmp_path, env) as (_, endpoint, _t), _dealer(context, endpoint) as real:
+            real.send_multipart(step(1, TRAINER, 1))
+            assert _answer(real).kind == Kind.VALUES
+            keepalive = Keepalive(SETTINGS, 0, TRAINER, lambda _: context)
+            keepalive.add(f"tcp://{endpoint}")
+
+            for trainer_id, sender in ((0, TRAINER ^ 1 << 20), (1, TRAINER)):  # bit-flipped headers
+                msg = Message(
+                    Kind.SEND, tensors=grads, trainer_id=trainer_id, sender=sender, step=2, request_id=2
+                )
+                real.send_multipart(encode(msg))
+                reply = _answer(real)
+                assert reply.kind == Kind.ERROR, reply
+                assert (
+                    "a connection speaks for one incarnation" in reply.text
+                    or "serves trainers 0..0" in reply.text
+                )
+
+            with _dealer(context, endpoint) as forger:
+                forger.send_multipart(step(2, forged, 1))
+                real.send_multipart(step(2, TRAINER, 3))  # trainer 0 trains on while the claim waits
+                assert _answer(real).kind == Kind.VALUES
+                refusal = _answer(forger)
+                assert refusal.kind == Kind.ERROR and "which is alive" in refusal.text, refusal.text
+
+            with _dealer(context, endpoint) as new:
+                new.send_multipart(step(3, restarted, 1, replaces=TRAINER))
+                assert _answer(new).kind == Kind.VALUES
+                real.send_multipart(step(3, TRAINER, 4))
+                reply = _answer(real)
+                assert reply.kind == Kind.ERROR and "evicted after going silent or replaced" in reply.text
+
+                new.send_multipart(encode(Message(Kind.STATS, request_id=2)))
+                stats = json.loads(_answer(new).text)
+            assert stats["completed_steps"] == 3
+            log = stats["log"]
+            claim = next(
+                i for i, line in enumerate(log) if f"incarnation {forged:x} claims trainer 0" in line
+            )
+            refused = next(i for i, line in enumerate(log) if "which is alive" in line)
+            taken = next(
+                i
+                for i, line in enumerate(log)
+                if f"restarted (incarnation {TRAINER:x} -> {restarted:x})" in line
+            )
+            assert claim < refused < taken
+    finally:
+        if keepalive is not None:
+            keepalive.close()
+        context.term()
+
+
+def test_a_pserver_derives_its_message_limit_from_its_plan(tmp_path):
+    """Without FLUIDPS_MAX_MESSAGE_BYTES, the pserver of a small model accepts messages up
+    to the floor of fluidps.executor.ps.message_limit (not 16 GiB): one just over it is
+    dropped unread with its connection, and a new connection is served."""
+    context = zmq.Context()
+    try:
+        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+            sock.send_multipart(encode(Message(Kind.STATS, request_id=1)))
+            limit = json.loads(_answer(sock).text)["max_message_bytes"]
+            assert limit == FLOOR
+            sock.send_multipart(_frames(_send("oversized@GRAD", np.zeros(limit // 4 + 256, np.float32), 2)))
+            assert _answer(sock, timeout=2.0) is None  # dropped unread: an unknown gradient would be an ERROR
+            with _dealer(context, endpoint) as other:
+                other.send_multipart(_frames(_send("unknown@GRAD", np.zeros(limit // 8, np.float32), 1)))
+                reply = _answer(other)
+                assert reply.kind == Kind.ERROR and "owns no gradient named 'unknown@GRAD'" in reply.text
+    finally:
+        context.term()
+
+
+def _garbage(rng: np.random.Generator, template: list[bytes]) -> list[bytes]:
+    """One message of the probe: random frames, a bit-flipped header, a frame declared
+    far larger than it is, thousands of frames, or an unknown dtype."""
+    kind = rng.integers(5)
+    if kind == 0:
+        return [rng.bytes(int(rng.integers(0, 4096))) for _ in range(int(rng.integers(1, 6)))]
+    if kind == 1:
+        header = bytearray(template[0])
+        for bit in rng.integers(0, 8 * len(header), size=int(rng.integers(1, 4))):
+            header[bit // 8] ^= 1 << (bit % 8)
+        return [bytes(header), *template[1:]]
+    if kind == 2:
+
+        def huge(h):
+            del h.tensors[0].dims[:]
+            h.tensors[0].dims.extend([1 << 28])  # 1 GiB of float32, in a 512-byte frame
+
+        return _edit_header(template, huge)
+    if kind == 3:
+        return [template[0], *[b"\x00"] * 10_000]
+
+    def dtype(h):
+        h.tensors[0].dtype = int(rng.integers(100, 1 << 20))
+
+    return _edit_header(template, dtype)
+
+
+def test_a_pserver_fed_garbage_keeps_serving_in_bounded_memory_and_logs_it_rate_limited(tmp_path):
+    """300 bad messages on raw sockets (a new connection every 10), most of them forged
+    as trainer 0 by another incarnation: each is answered with an ERROR or ignored, the
+    real trainer 0 (announced as a launcher does) trains before and after with exact SGD
+    results, the process's memory stays within 64 MiB of what it was, and the log holds a
+    few rate-limited lines, not one per message."""
+    grads = _gradients()
+    params = [g.removesuffix("@GRAD") for g in grads]
+    forger = 0x0F0F0F0F  # many bits away from TRAINER: a few flips do not make it trainer 0's
+    template = _frames(
+        Message(Kind.SEND, tensors={"fc_0.w_0@GRAD": GRAD}, trainer_id=0, sender=forger, step=1)
+    )
+    rng = np.random.default_rng(14)
+    keepalive = None
+
+    def step(n: int, request_id: int) -> list:
+        msg = Message(
+            Kind.SEND, tensors=grads, names=params, barrier=True, trainer_id=0, step=n, sender=TRAINER
+        )
+        msg.request_id = request_id
+        return encode(msg)
+
+    context = zmq.Context()
+    try:
+        env = {"FLUIDPS_TRAINER_INCARNATIONS": f"{TRAINER:x}"}
+        with _pserver(tmp_path, env) as (_, endpoint, _t), _dealer(context, endpoint) as real:
+            real.send_multipart(encode(Message(Kind.GET, names=params, request_id=1)))
+            before = _answer(real)
+            real.send_multipart(step(1, 2))
+            first = _answer(real)
+            assert first.kind == Kind.VALUES
+            keepalive = Keepalive(SETTINGS, 0, TRAINER, lambda _: context)  # the trainer is not silent
+            keepalive.add(f"tcp://{endpoint}")
+            real.send_multipart(encode(Message(Kind.STATS, request_id=3)))
+            rss_before = json.loads(_answer(real).text)["rss_bytes"]
+
+            for _ in range(30):
+                with _dealer(context, endpoint) as sock:
+                    for _message in range(10):
+                        sock.send_multipart(_garbage(rng, template))
+                    while _answer(sock, timeout=0.5) is not None:  # whatever it answers
+                        pass
+
+            real.send_multipart(step(2, 4))
+            second = _answer(real)
+            assert second.kind == Kind.VALUES
+            for name in params:  # SGD(0.2) of the real trainer's two steps, nothing of the garbage
+                want = before.tensors[name] - 2 * np.float32(0.2) * grads[f"{name}@GRAD"]
+                np.testing.assert_allclose(second.tensors[name], want, rtol=1e-5, err_msg=name)
+            real.send_multipart(encode(Message(Kind.STATS, request_id=5)))
+            stats = json.loads(_answer(real).text)
+            assert stats["completed_steps"] == 2 and stats["trainers"] == {"0": "live"}
+            assert stats["rejected"] > 50
+            assert stats["rss_bytes"] - rss_before < 64 << 20, (rss_before, stats["rss_bytes"])
+        lines = (tmp_path / "pserver.log").read_text(errors="replace").splitlines()
+        logged = [line for line in lines if "rejected a malformed message" in line or "refused" in line]
+        assert 1 <= len(logged) <= 6, logged
+    finally:
+        if keepalive is not None:
+            keepalive.close()
         context.term()

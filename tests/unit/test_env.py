@@ -179,6 +179,32 @@ def test_runtime_config_from_env():
             runtime_config_from_env({name: bad})
 
 
+def test_incarnations_from_env():
+    config = runtime_config_from_env({"FLUIDPS_INCARNATION": "a1", "FLUIDPS_REPLACES": " 7fffffffffffffff "})
+    assert (config.incarnation, config.replaces) == (0xA1, (1 << 63) - 1)
+    settings = rpc_settings_from_env({"FLUIDPS_TRAINER_INCARNATIONS": "a1,b2,c3"})
+    assert settings.trainer_incarnations == (0xA1, 0xB2, 0xC3)
+    for name, bad in [
+        ("FLUIDPS_INCARNATION", "0"),
+        ("FLUIDPS_INCARNATION", "xyz"),
+        ("FLUIDPS_REPLACES", "8000000000000000"),  # 2**63
+        ("FLUIDPS_TRAINER_INCARNATIONS", "a1,,c3"),
+        ("FLUIDPS_TRAINER_INCARNATIONS", "A1"),
+    ]:
+        with pytest.raises(BuilderError, match=f"{name}='.*' is invalid: it should hold an incarnation"):
+            runtime_config_from_env({name: bad})
+
+
+def test_a_launched_job_s_pservers_know_each_trainer_s_incarnation():
+    from fluidps.executor.launch.launcher import job_environments
+
+    jobs = dict(job_environments("127.0.0.1", [6170, 6171], 3, "sync", base={}))
+    trainers = [runtime_config_from_env(jobs[f"trainer.{i}"]).incarnation for i in range(3)]
+    assert len(set(trainers)) == 3 and all(trainers)
+    for pserver in ("pserver.0", "pserver.1"):
+        assert rpc_settings_from_env(jobs[pserver]).trainer_incarnations == tuple(trainers)
+
+
 def test_an_executor_without_a_config_reads_the_environment_when_a_program_needs_its_runtime(monkeypatch):
     monkeypatch.setenv("FLUIDPS_REQUEST_TIMEOUT", "7")
     monkeypatch.setenv("FLUIDPS_COORDINATOR", "tcp://127.0.0.1:7000")

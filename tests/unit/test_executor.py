@@ -148,6 +148,48 @@ def test_kernel_failures_name_block_op_and_variables():
     assert "ids int64[2, 1]" in text and "embedding_0.w_0 float32[10, 4]" in text
 
 
+def _two_inputs(combine):
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [4])
+        y = layers.data("y", [4])
+        out = combine(x, y)
+    return main, startup, out
+
+
+@pytest.mark.parametrize(
+    "combine, why",
+    [
+        (layers.elementwise_add, r"shapes \[3, 4\] and \[2, 4\] do not broadcast"),
+        (lambda x, y: layers.concat([x, y], axis=1), r"inputs differ in dimension 0 \(3 vs 2\)"),
+        (lambda x, y: layers.elementwise_mul(layers.fc(x, 4), y), r"shapes \[3, 4\] and \[2, 4\] do not broadcast"),
+    ],
+)  # fmt: skip
+def test_values_that_do_not_fit_together_at_run_time_are_explained_in_our_words(combine, why):
+    """The declared shapes let batch sizes vary, so feeds of different batch sizes pass the
+    feed check; the op that meets them says which shapes clash (its shape inference run on
+    the values it was given), not numpy's or numba's words."""
+    main, startup, out = _two_inputs(combine)
+    exe = fluidps.Executor()
+    exe.run(startup)
+    feed = {"x": np.ones((3, 4), np.float32), "y": np.ones((2, 4), np.float32)}
+    with pytest.raises(fluidps.ExecutionError, match=why) as info:
+        exe.run(main, feed=feed, fetch_list=[out])
+    assert "do not fit together; check the feeds' shapes" in str(info.value)
+    assert "broadcast argument" not in str(info.value) and "must match exactly" not in str(info.value)
+
+
+def test_an_empty_batch_runs():
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [4])
+        outs = [layers.fc(x, 3, act="relu"), layers.reshape(x, [0, -1, 2]), layers.softmax(x)]
+    exe = fluidps.Executor()
+    exe.run(startup)
+    got = exe.run(main, feed={"x": np.ones((0, 4), np.float32)}, fetch_list=outs)
+    assert [g.shape for g in got] == [(0, 3), (0, 2, 2), (0, 4)]
+
+
 def _edited(build, op_type: str, **attrs):
     """A program of `build`'s ops whose `op_type` op got `attrs` (as a file could say)."""
     main, startup = fluidps.Program(), fluidps.Program()
