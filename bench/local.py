@@ -3,6 +3,7 @@
     python -m bench.local [--steps 300] [--repeats 3] [--ctr-batch 512] [--ctr-steps N]
                           [--ctr-vocab 1000000] [--no-torch] [--no-paddle]
                           [--sparse-table-rows N] [--sparse-rows N] [--sparse-repeats N]
+                          [--executor both|interpreted|compiled]
 
 Workloads (one thread everywhere: BLAS, numba, and PyTorch):
 - mlp:   the digits MLP 64-256-256-10, SGD, batch 64 and 128 -> steps/s
@@ -12,7 +13,10 @@ Workloads (one thread everywhere: BLAS, numba, and PyTorch):
 - sparse row updates (bench.sparse_update): 10^4 random rows of a 10^6-row
   table, SelectedRows sgd and lazy adam against numpy's np.add.at
 When PyTorch (or PaddlePaddle) is importable the same workloads run on it in
-this process and each row carries their numbers and the ratio.
+this process and each row carries their numbers and the ratio. fluidps's rows come
+once per executor ("executor": "interpreted" or "compiled"); a compiled row also says
+how long its first compile took (first_compile_s, in a fresh cache) and the same
+start with the code already on disk (cached_compile_s).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMB
 import argparse  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
@@ -54,7 +60,47 @@ def timed(step: Callable[[int], None], steps: int, repeats: int, warmup: int = 2
 # -- fluidps --------------------------------------------------------------------------------
 
 
-def fluidps_classifier(sizes: list[int], batch: int, steps: int, repeats: int) -> float:
+class Executors:
+    """Executors of one kind: interpreted, or compiled with their code kept in one
+    fresh cache directory (so the first compile is a real one). For a compiled one,
+    `compile_times` holds how long the run that compiled took, in a cold cache and
+    then with the code already on disk (a second process's start)."""
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+        self.cache_dir = tempfile.mkdtemp(prefix="fluidps-bench-") if compiled else None
+        self.compile_times: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "compiled" if self.compiled else "interpreted"
+
+    def make(self) -> fluidps.Executor:
+        return fluidps.Executor(compile=self.compiled, cache_dir=self.cache_dir)
+
+    def warm(self, exe: fluidps.Executor, run: Callable[[fluidps.Executor], None], make_again=None) -> None:
+        """Run twice (a block is compiled at its second run), timing that run."""
+        run(exe)
+        start = time.perf_counter()
+        run(exe)
+        if self.compiled:
+            self.compile_times["first_compile_s"] = round(time.perf_counter() - start, 2)
+            if make_again is not None:  # a new executor on the same cache: code from disk
+                again = make_again()
+                run(again)
+                start = time.perf_counter()
+                run(again)
+                self.compile_times["cached_compile_s"] = round(time.perf_counter() - start, 2)
+
+    def close(self) -> None:
+        if self.cache_dir is not None:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+
+def fluidps_classifier(
+    sizes: list[int], batch: int, steps: int, repeats: int, executors: Executors | None = None
+) -> float:
+    executors = executors or Executors(compiled=False)
     main, startup = fluidps.Program(), fluidps.Program()
     with fluidps.program_guard(main, startup):
         x = layers.data("x", [sizes[0]])
@@ -64,13 +110,19 @@ def fluidps_classifier(sizes: list[int], batch: int, steps: int, repeats: int) -
             h = layers.fc(h, width, act="relu")
         loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, sizes[-1]), y))
         optimizer.SGD(0.01).minimize(loss)
-    exe = fluidps.Executor()
-    exe.run(startup)
     rng = np.random.default_rng(0)
     batches = [
         {"x": rng.random((batch, sizes[0]), dtype=np.float32), "y": rng.integers(0, sizes[-1], (batch, 1))}
         for _ in range(8)
     ]
+
+    def started() -> fluidps.Executor:
+        exe = executors.make()
+        exe.run(startup)
+        return exe
+
+    exe = started()
+    executors.warm(exe, lambda e: e.run(main, feed=batches[0], fetch_list=[loss]), started)
     return timed(lambda i: exe.run(main, feed=batches[i % 8], fetch_list=[loss]), steps, repeats)
 
 
@@ -90,7 +142,10 @@ def ctr_batches(batch: int, count: int = 8, vocab: int = CTR_VOCAB) -> list[dict
     return out
 
 
-def fluidps_ctr(batch: int, steps: int, repeats: int, vocab: int = CTR_VOCAB) -> float:
+def fluidps_ctr(
+    batch: int, steps: int, repeats: int, vocab: int = CTR_VOCAB, executors: Executors | None = None
+) -> float:
+    executors = executors or Executors(compiled=False)
     main, startup = fluidps.Program(), fluidps.Program()
     with fluidps.program_guard(main, startup):
         ids = layers.data("ids", [CTR_FIELDS], dtype="int64")
@@ -101,9 +156,10 @@ def fluidps_ctr(batch: int, steps: int, repeats: int, vocab: int = CTR_VOCAB) ->
         h = layers.fc(layers.fc(h, 64, act="relu"), 32, act="relu")
         loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 2), label))
         optimizer.Adam(0.001, lazy_mode=True).minimize(loss)
-    exe = fluidps.Executor()
+    exe = executors.make()
     exe.run(startup)
     batches = ctr_batches(batch, vocab=vocab)
+    executors.warm(exe, lambda e: e.run(main, feed=batches[0], fetch_list=[loss]))
     return batch * timed(
         lambda i: exe.run(main, feed=batches[i % 8], fetch_list=[loss]), steps, repeats, warmup=5
     )
@@ -205,7 +261,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sparse-table-rows", type=int, help="bench.sparse_update's --table-rows")
     parser.add_argument("--sparse-rows", type=int, help="bench.sparse_update's --rows")
     parser.add_argument("--sparse-repeats", type=int, help="bench.sparse_update's --repeats")
+    parser.add_argument(
+        "--executor",
+        choices=["both", "interpreted", "compiled"],
+        default="both",
+        help="fluidps's executor: the interpreter, the compiler (fluidps.executor.compiler), or a row of each",
+    )
     args = parser.parse_args(argv)
+    kinds = [False, True] if args.executor == "both" else [args.executor == "compiled"]
     torch = None if args.no_torch else load_torch()
     paddle = None if args.no_paddle else paddle_peer.load_paddle()
 
@@ -214,28 +277,33 @@ def main(argv: list[str] | None = None) -> None:
         ("digits_mlp", [64, 256, 256, 10], 128),
         ("tiny", [64, 10], 64),
     ):
-        ours = fluidps_classifier(sizes, batch, args.steps, args.repeats)
         peers = {"torch": torch_classifier(torch, sizes, batch, args.steps, args.repeats)} if torch else {}
         if paddle:
             peers["paddle"] = timed(
                 paddle_peer.classifier_step(paddle, sizes, batch), args.steps, args.repeats
             )
-        print(
-            json.dumps(
-                row(
-                    name,
-                    "steps/s",
-                    ours,
-                    peers,
-                    model="-".join(map(str, sizes)),
-                    batch=batch,
-                    optimizer="sgd",
+        for compiled in kinds:
+            executors = Executors(compiled)
+            try:
+                ours = fluidps_classifier(sizes, batch, args.steps, args.repeats, executors)
+            finally:
+                executors.close()
+            extra = {"model": "-".join(map(str, sizes)), "batch": batch, "optimizer": "sgd"}
+            print(
+                json.dumps(
+                    row(
+                        name,
+                        "steps/s",
+                        ours,
+                        peers,
+                        executor=executors.name,
+                        **extra,
+                        **executors.compile_times,
+                    )
                 )
             )
-        )
 
     ctr_steps = max(args.steps // 3, 30) if args.ctr_steps is None else args.ctr_steps
-    ours = fluidps_ctr(args.ctr_batch, ctr_steps, args.repeats, args.ctr_vocab)
     peers = (
         {"torch": torch_ctr(torch, args.ctr_batch, ctr_steps, args.repeats, args.ctr_vocab)} if torch else {}
     )
@@ -243,20 +311,20 @@ def main(argv: list[str] | None = None) -> None:
         batches = ctr_batches(args.ctr_batch, vocab=args.ctr_vocab)
         step = paddle_peer.ctr_step(paddle, batches, args.ctr_vocab, CTR_FIELDS, CTR_DIM, CTR_DENSE)
         peers["paddle"] = args.ctr_batch * timed(step, ctr_steps, args.repeats, warmup=5)
-    print(
-        json.dumps(
-            row(
-                "ctr_embedding",
-                "samples/s",
-                ours,
-                peers,
-                table=f"{args.ctr_vocab}x{CTR_DIM}",
-                fields=CTR_FIELDS,
-                batch=args.ctr_batch,
-                optimizer="lazy adam (torch: SparseAdam + Adam)",
-            )
-        )
-    )
+    for compiled in kinds:
+        executors = Executors(compiled)
+        try:
+            ours = fluidps_ctr(args.ctr_batch, ctr_steps, args.repeats, args.ctr_vocab, executors)
+        finally:
+            executors.close()
+        extra = {
+            "table": f"{args.ctr_vocab}x{CTR_DIM}",
+            "fields": CTR_FIELDS,
+            "batch": args.ctr_batch,
+            "optimizer": "lazy adam (torch: SparseAdam + Adam)",
+        }
+        row_ = row("ctr_embedding", "samples/s", ours, peers, executor=executors.name, **extra)
+        print(json.dumps(row_ | executors.compile_times))
     sparse_argv = []
     for flag, value in (
         ("--table-rows", args.sparse_table_rows),

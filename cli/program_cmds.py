@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from fluidps.cli.common import CHECK_FAILED, fail, load_program
+from fluidps.executor.compiler import explain
 from fluidps.ir.graph import to_dot
 from fluidps.ir.printer import program_to_dict, program_to_text
 from fluidps.ops import check
@@ -27,18 +28,27 @@ GRAPHVIZ_HINT = (
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of text.")
 @click.option("--block", "block_idx", type=int, default=None, help="Show only this block.")
-def inspect(file: str, run_check: bool, as_json: bool, block_idx: int | None) -> None:
+@click.option(
+    "--plan",
+    "show_plan",
+    is_flag=True,
+    help="Also say which ops an Executor(compile=True) runs as compiled segments, and why the others not.",
+)
+def inspect(file: str, run_check: bool, as_json: bool, block_idx: int | None, show_plan: bool) -> None:
     """Show the blocks, variables and ops of a ProgramDesc FILE (or saved-model directory)."""
     program = load_program(file)
     if block_idx is not None and not 0 <= block_idx < program.num_blocks:
         fail(f"--block {block_idx}: the program has blocks 0..{program.num_blocks - 1}")
     problems = check(program) if run_check else []
+    plan = explain(program.block(block_idx or 0)) if show_plan else None
     if as_json:
         data = program_to_dict(program)
         if block_idx is not None:
             data["blocks"] = [data["blocks"][block_idx]]
         if run_check:
             data["problems"] = problems
+        if plan is not None:
+            data["plan"] = plan.splitlines()
         click.echo(json.dumps(data, indent=1))
     else:
         click.echo(program_to_text(program, None if block_idx is None else [block_idx]))
@@ -50,6 +60,8 @@ def inspect(file: str, run_check: bool, as_json: bool, block_idx: int | None) ->
                     click.echo(f"  {p}")
             else:
                 click.echo("verify: ok")
+        if plan is not None:
+            click.echo(f"\n{plan}")
     if problems:
         raise SystemExit(CHECK_FAILED)
 

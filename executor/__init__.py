@@ -7,6 +7,7 @@ rooms they need when first used. Every other responsibility has a room of its ow
 each room's docstring says what it owns and what it may import, and
 tests/unit/test_layering.py holds the code to it:
 
+- compiler/   a block's ops as numba-compiled segments (Executor(compile=True))
 - transport/  ZeroMQ messages: the wire format, request / reply, CURVE keys
 - ps/         parameter-server training: a trainer's client, the pserver loop with one
               strategy per mode, membership, checkpoints
@@ -16,7 +17,8 @@ tests/unit/test_layering.py holds the code to it:
               the environment contract, progress
 
 May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops, fluidps.transpiler.config,
-fluidps.executor.transport, fluidps.executor.ps, fluidps.executor.tasks, fluidps.profiling
+fluidps.executor.compiler, fluidps.executor.transport, fluidps.executor.ps, fluidps.executor.tasks,
+fluidps.profiling
 """
 
 from fluidps.executor.executor import Executor, PreparedProgram

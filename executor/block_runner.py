@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numba.core.errors import NumbaError
 
 from fluidps.errors import EOFException, Error, ExecutionError, NoDataYet
 from fluidps.ir.infer import VarInfo
@@ -17,6 +19,9 @@ from fluidps.ops.kernel import Runner
 from fluidps.ops.runtime_api import KernelRuntime
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.profiling import COMMUNICATION_OPS, UNTIMED_OPS
+
+if TYPE_CHECKING:  # the compiler room loads only where an Executor compiles
+    from fluidps.executor.compiler import Compiler, Segment
 
 
 def describe(value: Any) -> str:
@@ -33,9 +38,24 @@ class BlockRunner:
     """The kernels of a block's ops, ready to run against an environment. Ops that take
     part in a job (send, listen_and_serv, read, ...) need the process's `runtime`. In a
     profiled process each op's time goes to its runtime's profile: communication ops'
-    under their type, the others' under `compute`."""
+    under their type, the others' under `compute`.
 
-    def __init__(self, block: Block, runtime: KernelRuntime | None = None, compute: str = "compute"):
+    With a `compiler` (fluidps.executor.compiler.Compiler), runs of ops that have a
+    compiled form run as numba-compiled segments, one call each; `keep` names what is
+    wanted after the block besides persistable state (the fetches). A block is compiled
+    when it runs a second time (a startup program, run once, never is; the first run is
+    interpreted, which gives the same results). A segment that fails is run again op by
+    op, so that the error names the op; one that writes persistable state in place is
+    not, and its error names its ops."""
+
+    def __init__(
+        self,
+        block: Block,
+        runtime: KernelRuntime | None = None,
+        compute: str = "compute",
+        compiler: Compiler | None = None,
+        keep: Collection[str] = (),
+    ):
         self.block = block
         self._profile = getattr(runtime, "profile", None)
         self._categories = [
@@ -53,6 +73,10 @@ class BlockRunner:
                     f"block {block.idx}, op #{i} ({op.type}): cannot build its kernel "
                     f"({type(e).__name__}: {e or 'out of memory'}); check its attributes"
                 ) from None
+        self._compiler, self._keep = compiler, tuple(keep)
+        self.segments: dict[int, Segment] = {}  # by first op, once compiled
+        self._runs = 0
+        self._broken: set[int] = set()  # segments numba could not compile: interpreted
         # Persistable variables this block writes (shared state when blocks run on threads).
         self.writes = {
             n
@@ -62,6 +86,14 @@ class BlockRunner:
         }
 
     def run(self, env: Any) -> None:
+        self._runs += 1
+        if self._runs == 2 and self._compiler is not None:
+            from fluidps.executor.compiler import compile_block
+
+            self.segments = {s.start: s for s in compile_block(self.block, self._compiler, self._keep)}
+        if self.segments:
+            self._run_compiled(env)
+            return
         index = 0
         try:
             if self._profile is None:
@@ -82,6 +114,64 @@ class BlockRunner:
         except Exception as e:
             raise ExecutionError(self._failure(index, env, e)) from e
 
+    def _run_compiled(self, env: Any) -> None:
+        index, count = 0, len(self.runners)
+        while index < count:
+            segment = self.segments.get(index)
+            if segment is None or segment.start in self._broken:
+                self._run_op(index, env)
+                index += 1
+                continue
+            if self._profile is None:
+                self._run_segment(segment, env)
+            else:
+                start = time.perf_counter()
+                try:
+                    self._run_segment(segment, env)
+                finally:
+                    self._profile.add("compute", time.perf_counter() - start)
+            index = segment.stop
+
+    def _run_op(self, index: int, env: Any) -> None:
+        try:
+            self.runners[index](env)
+        except (EOFException, NoDataYet):
+            raise
+        except Exception as e:
+            raise ExecutionError(self._failure(index, env, e)) from e
+
+    def _run_segment(self, segment: Segment, env: Any) -> None:
+        try:
+            for name in segment.writes_in_place:  # as the interpreter's kernels: a copy if not writable
+                value = env[name]
+                if not (value.flags.c_contiguous and value.flags.writeable):
+                    env[name] = np.array(value, order="C")
+            args = [_contiguous(env[name]) for name in segment.inputs]
+        except (KeyError, AttributeError):  # a missing or odd input: the interpreter says which
+            self._run_interpreted(segment, env)
+            return
+        try:
+            results = segment.fn(*args)
+        except NumbaError:  # no compiled form for these inputs' types: interpreted from now on
+            self._broken.add(segment.start)
+            self._run_interpreted(segment, env)
+            return
+        except Exception as e:
+            if segment.writes_in_place:
+                raise ExecutionError(
+                    f"block {self.block.idx}, ops #{segment.start}..#{segment.stop - 1} "
+                    f"({', '.join(op.type for op in self.block.ops[segment.start : segment.stop])}; compiled) "
+                    f"failed: {type(e).__name__}: {e}"
+                ) from e
+            self._run_interpreted(segment, env)  # it raises, naming the op; or it is a case only it handles
+            return
+        for name, value in zip(segment.outputs, results, strict=True):
+            env[name] = value
+
+    def _run_interpreted(self, segment: Segment, env: Any) -> None:
+        for index in range(segment.start, segment.stop):
+            self._run_op(index, env)
+
     def _failure(self, index: int, env: Any, error: Exception) -> str:
         op = self.block.ops[index]
 
@@ -97,6 +187,13 @@ class BlockRunner:
             f"block {self.block.idx}, op #{index} ({op.type}) failed: {error}\n  inputs:  {slots(op.inputs)}\n"
             f"  outputs: {', '.join(op.output_arg_names)}"
         )
+
+
+def _contiguous(value: Any) -> Any:
+    """Compiled code reshapes its inputs: it takes C-contiguous arrays."""
+    if isinstance(value, np.ndarray) and not value.flags.c_contiguous:
+        return np.ascontiguousarray(value)
+    return value
 
 
 def _shape_problem(op: Any, env: Any) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from fluidps.ops import verify as verify_program
 from fluidps.ops.selected_rows import SelectedRows
 
 if TYPE_CHECKING:
+    from fluidps.executor.compiler import Compiler
     from fluidps.executor.runtime import Runtime, RuntimeConfig
 
 FetchTarget = Variable | str
@@ -57,7 +59,13 @@ class PreparedProgram:
     """A program's global block, ready to run: one runner per op. A program that takes
     part in a job (`needs_runtime`) is prepared with the executor's `runtime`."""
 
-    def __init__(self, program: Program, fetch_names: Sequence[str], runtime: Runtime | None = None):
+    def __init__(
+        self,
+        program: Program,
+        fetch_names: Sequence[str],
+        runtime: Runtime | None = None,
+        compiler: Compiler | None = None,
+    ):
         self.program = program
         self.runtime = runtime
         block = self.block = program.global_block()
@@ -94,7 +102,8 @@ class PreparedProgram:
                     var = sub_block.find_var(name)
                     if var is not None and var.persistable:
                         self._read_from_scope(name)
-        self.runner = BlockRunner(block, runtime)  # without a runtime, a send or a reader refuses to build
+        # Without a runtime, a send or a reader refuses to build.
+        self.runner = BlockRunner(block, runtime, compiler=compiler, keep=fetch_names)
         # Each run of a trainer program (it sends gradients) is one step of its trainer.
         self.counts_steps = any(op.type == "send" for op in block.ops)
         self.readers = [op.input("Reader")[0] for op in block.ops if op.type == "read"]
@@ -224,10 +233,20 @@ class Executor:
     runs (fluidps.executor.env.runtime_config_from_env): that is how the
     processes `fluidps launch` starts learn their timeouts, keys, coordinator and
     checkpoint settings, with scripts that only say `fluidps.Executor()`.
+
+    `compile=True` runs each block's ops that have a compiled form as numba-compiled
+    segments (fluidps.executor.compiler), their code kept in `cache_dir` (default
+    FLUIDPS_CACHE_DIR, else ~/.cache/fluidps/compiled) for the next process. None
+    reads FLUIDPS_COMPILE=1. A fluidps.executor.compiler.Compiler sets more.
     """
 
     def __init__(
-        self, place: Any = None, scope: Scope | None = None, runtime_config: RuntimeConfig | None = None
+        self,
+        place: Any = None,
+        scope: Scope | None = None,
+        runtime_config: RuntimeConfig | None = None,
+        compile: bool | Compiler | None = None,
+        cache_dir: str | None = None,
     ):
         self.place = place  # accepted for Fluid compatibility; fluidps runs on the CPU
         self.scope = scope if scope is not None else Scope()
@@ -236,6 +255,15 @@ class Executor:
         )
         self._runtime_config = runtime_config
         self._runtime: Runtime | None = None
+        if compile is None:
+            from fluidps.executor.env import compile_from_env
+
+            compile = compile_from_env()
+        if compile is True:
+            from fluidps.executor.compiler import Compiler, ModuleCache  # only where it compiles
+
+            compile = Compiler(ModuleCache(Path(cache_dir) if cache_dir else None))
+        self.compiler: Compiler | None = compile or None
 
     @property
     def runtime(self) -> Runtime:
@@ -289,8 +317,17 @@ class Executor:
                 # own parent) is refused with every problem named, not run.
                 verify_program(program)
             runtime = self.runtime if needs_runtime(program) else None
-            prepared = per_program[key] = PreparedProgram(program, fetch_names, runtime)
+            prepared = per_program[key] = PreparedProgram(program, fetch_names, runtime, self.compiler)
         return prepared
+
+    def explain(self, program: Program) -> str:
+        """Which ops of `program`'s global block run compiled (with `compile=True`), in
+        which segments, and why the others run interpreted."""
+        from fluidps.executor.compiler import MIN_OPS, explain
+
+        if not isinstance(program, Program):
+            raise ProgramError("Executor.explain needs a Program")
+        return explain(program.global_block(), self.compiler.min_ops if self.compiler else MIN_OPS)
 
     def close(self) -> list[str]:
         """Release prepared programs and, in a distributed job, tell every pserver this

@@ -109,7 +109,9 @@ class Runtime:
         if self._readers is None:
             from fluidps.executor.tasks.task_reader import Readers
 
-            self._readers = Readers(self.config.coordinator, self._coordinator_source, self._pause_trainer)
+            self._readers = Readers(
+                self.config.coordinator, self._coordinator_source, self._pause_trainer, self._resume_trainer
+            )
         return self._readers
 
     @property
@@ -148,6 +150,10 @@ class Runtime:
     def _pause_trainer(self) -> None:
         if self._trainer is not None:  # a reader without pservers has nobody to tell
             self._trainer.pause()
+
+    def _resume_trainer(self) -> None:
+        if self._trainer is not None:
+            self._trainer.resume()
 
     def _coordinator_source(self, address: str, request: dict[str, Any]) -> TaskSource:
         from fluidps.executor.tasks.coordinator_client import CoordinatorClient, CoordinatorSource

@@ -14,6 +14,7 @@ from fluidps.ir.infer import InferContext
 from fluidps.ops.defs import In, Out, backend_hints
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.lowering import LoweringOp
 from fluidps.ops.registry import OpFamily
 
 family = OpFamily("activation")
@@ -212,3 +213,16 @@ def _grad_kernel(op: KernelOp) -> Runner:
         env[dx_name] = fn(contiguous(env[src_name]), contiguous(env[dout_name]))
 
     return run
+
+
+@family.lowering(*_KERNELS)
+def _forward_lowering(op: LoweringOp) -> None:
+    op.require_dense("X", "Out")
+    op.emit(f"{op.output('Out')} = {op.call(_KERNELS[op.type][0], op.input('X'))}")
+
+
+@family.lowering(*(t + "_grad" for t, (_, grad, _) in _KERNELS.items() if grad is not None))
+def _grad_lowering(op: LoweringOp) -> None:
+    _, fn, source = _KERNELS[op.type[: -len("_grad")]]
+    op.require_dense(source, "Out@GRAD", "X@GRAD")
+    op.emit(f"{op.output('X@GRAD')} = {op.call(fn, op.input(source), op.input('Out@GRAD'))}")

@@ -3,7 +3,10 @@ sum a gradient back to the shape of the operand that was broadcast."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numba import njit
 
 
 def aligned_shape(small: tuple[int, ...], rank: int, axis: int) -> tuple[int, ...]:
@@ -24,5 +27,30 @@ def reduce_to(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     rank, or fewer dimensions aligned as in `align`) was broadcast."""
     if grad.shape == tuple(shape):
         return grad
-    axes = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape, strict=True)) if s == 1 and g != 1)
-    return grad.sum(axis=axes, keepdims=True) if axes else grad
+    reduced = [s == 1 and g != 1 for g, s in zip(grad.shape, shape, strict=True)]
+    if not any(reduced):
+        return grad
+    # Broadcast along leading and trailing dimensions only (a bias): sum_pre_post, the
+    # sum compiled code does too, so that both give the same bits.
+    kept = [i for i, r in enumerate(reduced) if not r]
+    first, last = (kept[0], kept[-1] + 1) if kept else (len(reduced), len(reduced))
+    if not any(reduced[first:last]):
+        parts = grad.shape[:first], grad.shape[first:last], grad.shape[last:]
+        view = np.ascontiguousarray(grad).reshape(tuple(math.prod(p) for p in parts))
+        return sum_pre_post(view).reshape(shape)
+    axes = tuple(i for i, r in enumerate(reduced) if r)
+    return grad.sum(axis=axes, keepdims=True)
+
+
+@njit(cache=True)
+def sum_pre_post(g):
+    """out[j] = sum over i, k of g[i, j, k] (a (pre, n, post) gradient summed back to the
+    operand broadcast along pre and post), accumulated in g's dtype row by row as
+    numpy's sum over leading axes does."""
+    pre, n, post = g.shape
+    out = np.zeros(n, dtype=g.dtype)
+    for i in range(pre):
+        for j in range(n):
+            for k in range(post):
+                out[j] += g[i, j, k]
+    return out

@@ -13,6 +13,7 @@ from fluidps.ir.infer import InferContext
 from fluidps.ir.types import VarType, to_numpy_dtype
 from fluidps.ops.defs import Bool, Compat, Extra, Float, Hint, In, Int, Longs, Out, Str, backend_hints
 from fluidps.ops.kernel import Env, KernelOp, Runner
+from fluidps.ops.lowering import LoweringOp, NotLowerable, shape
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -171,3 +172,17 @@ def _fill_zeros_like_kernel(op: KernelOp) -> Runner:
             env[out_name] = np.zeros_like(x)
 
     return run
+
+
+@family.lowering("fill_constant")
+def _fill_constant_lowering(op: LoweringOp) -> None:
+    dtype = to_numpy_dtype(VarType(op.attr("dtype")))
+    if dtype.kind not in "fiu":
+        raise NotLowerable(f"fill_constant of {dtype}")
+    dims = [int(d) for d in op.attr("shape")]
+    if any(d < 0 for d in dims):
+        raise NotLowerable("a negative dimension (the kernel says what is wrong)")
+    text = op.attr("str_value")
+    value = parse_str_value(text, dtype) if text else op.attr("value")
+    literal = repr(float(value)) if dtype.kind == "f" else repr(int(value))
+    op.emit(f"{op.output('Out')} = np.full({shape([str(d) for d in dims])}, {literal}, np.{dtype.name})")

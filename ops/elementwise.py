@@ -13,10 +13,11 @@ from numba import njit
 from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext, elementwise_shape, numel
 from fluidps.ir.types import VarType
-from fluidps.ops.broadcast import align, reduce_to
+from fluidps.ops.broadcast import align, reduce_to, sum_pre_post
 from fluidps.ops.defs import Compat, Float, In, Int, Out, Str, backend_hints
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner
+from fluidps.ops.lowering import LoweringOp, NotLowerable, dims, product, shape
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -205,3 +206,66 @@ def _grad_kernel(op: KernelOp) -> Runner:
             env[dy_name] = reduce_to(dy, ya.shape).reshape(y.shape)
 
     return run
+
+
+# -- lowerings: X the larger operand, Y equal to it or broadcast along X's other dims -------
+
+
+class _Aligned:
+    """How Y lines up with X in a lowered elementwise op (as ops.broadcast.align does),
+    decided from their declared shapes; NotLowerable where only run-time sizes could
+    tell (Y broadcast within its own dims, X the smaller operand)."""
+
+    def __init__(self, op: LoweringOp):
+        op.require_dense("X", "Y")
+        x_shape, y_shape = op.declared("X"), op.declared("Y")
+        rx, ry = len(x_shape), len(y_shape)
+        if ry > rx or rx == 0:
+            raise NotLowerable("Y has more dimensions than X")
+        axis = op.attr("axis")
+        self.start = rx - ry if axis == -1 or ry == rx else axis
+        if ry == rx and axis not in (-1, 0):
+            raise NotLowerable(f"axis {axis} with operands of one rank")
+        for i, d in enumerate(y_shape):
+            if d != x_shape[self.start + i]:
+                raise NotLowerable("Y is broadcast within its own dimensions")
+        self.op, self.rx, self.ry = op, rx, ry
+        self.equal = ry == rx
+
+    def y(self) -> str:
+        """Y's local, viewed at X's rank."""
+        y = self.op.input("Y")
+        if self.equal:
+            return y
+        parts = ["1"] * self.start + dims(y, range(self.ry)) + ["1"] * (self.rx - self.ry - self.start)
+        return f"{y}.reshape({shape(parts)})"
+
+    def y_grad(self, full: str) -> str:
+        """The gradient `full` (X's shape) summed back to Y's shape."""
+        if self.equal:
+            return full
+        x = self.op.input("X")
+        pre = product(dims(x, range(self.start)))
+        post = product(dims(x, range(self.start + self.ry, self.rx)))
+        view = f"{full}.reshape(({pre}, {self.op.input('Y')}.size, {post}))"
+        return f"{self.op.call(sum_pre_post, view)}.reshape({self.op.input('Y')}.shape)"
+
+
+@family.lowering(*_FORWARD_FNS)
+def _forward_lowering(op: LoweringOp) -> None:
+    aligned = _Aligned(op)
+    op.emit(f"{op.output('Out')} = {op.call(_FORWARD_FNS[op.type], op.input('X'), aligned.y())}")
+
+
+@family.lowering(*(t + "_grad" for t in _FORWARD_FNS))
+def _grad_lowering(op: LoweringOp) -> None:
+    aligned = _Aligned(op)
+    op.require_dense("Out@GRAD", "X@GRAD", "Y@GRAD")
+    fn = _GRAD_FNS[op.type[: -len("_grad")]]
+    dx, dy = op.output("X@GRAD"), op.output("Y@GRAD")
+    gx, gy = op.temp(), op.temp()
+    op.emit(f"{gx}, {gy} = {op.call(fn, op.input('Out@GRAD'), op.input('X'), aligned.y())}")
+    if dx is not None:
+        op.emit(f"{dx} = {gx}")
+    if dy is not None:
+        op.emit(f"{dy} = {aligned.y_grad(gy)}")

@@ -9,6 +9,7 @@ from fluidps.ir.infer import InferContext, broadcast_dim, numel
 from fluidps.ops.defs import Bool, Compat, Float, Floats, In, Int, Out, backend_hints
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.lowering import LoweringOp, dims, product, shape
 from fluidps.ops.registry import OpFamily
 
 family = OpFamily("matmul")
@@ -148,6 +149,37 @@ def _mul_grad_kernel(op: KernelOp) -> Runner:
             env[dy_name] = _gemm(x2.T, d2).reshape(y.shape)
 
     return run
+
+
+def _matrix_expr(op: LoweringOp, slot: str, num_col_dims: int) -> str:
+    """`slot`'s local viewed as the matrix mul multiplies (as _matrix does)."""
+    local, rank = op.input(slot), op.rank(slot)
+    rows, cols = product(dims(local, range(num_col_dims))), product(dims(local, range(num_col_dims, rank)))
+    return f"{local}.reshape(({rows}, {cols}))"
+
+
+@family.lowering("mul")
+def _mul_lowering(op: LoweringOp) -> None:
+    op.require_dense("X", "Y", "Out")
+    xn, yn = op.attr("x_num_col_dims"), op.attr("y_num_col_dims")
+    x, y = op.input("X"), op.input("Y")
+    product_ = op.call(_gemm, _matrix_expr(op, "X", xn), _matrix_expr(op, "Y", yn))
+    out_shape = shape(dims(x, range(xn)) + dims(y, range(yn, op.rank("Y"))))
+    op.emit(f"{op.output('Out')} = {product_}.reshape({out_shape})")
+
+
+@family.lowering("mul_grad")
+def _mul_grad_lowering(op: LoweringOp) -> None:
+    op.require_dense("X", "Y", "Out@GRAD", "X@GRAD", "Y@GRAD")
+    xn, yn = op.attr("x_num_col_dims"), op.attr("y_num_col_dims")
+    x, y, dout = op.input("X"), op.input("Y"), op.input("Out@GRAD")
+    x2, y2 = _matrix_expr(op, "X", xn), _matrix_expr(op, "Y", yn)
+    rows, cols = product(dims(x, range(xn))), product(dims(y, range(yn, op.rank("Y"))))
+    d2 = f"{dout}.reshape(({rows}, {cols}))"
+    if (dx := op.output("X@GRAD")) is not None:
+        op.emit(f"{dx} = {op.call(_gemm, d2, f'{y2}.T')}.reshape({x}.shape)")
+    if (dy := op.output("Y@GRAD")) is not None:
+        op.emit(f"{dy} = {op.call(_gemm, f'{x2}.T', d2)}.reshape({y}.shape)")
 
 
 def _as_batched(m: np.ndarray, batch: tuple[int, ...]) -> np.ndarray:

@@ -16,9 +16,10 @@ from numba.extending import intrinsic
 
 from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext, numel
-from fluidps.ir.types import VarType
+from fluidps.ir.types import VarType, to_numpy_dtype
 from fluidps.ops.defs import Bool, Compat, Extra, Float, Hint, In, Long, Only, Out, Str, backend_hints
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.lowering import LoweringOp, NotLowerable
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -536,3 +537,67 @@ def _store_pow(env: Env, op: KernelOp, slot: str, value: np.generic) -> None:
     target = current if in_place else np.array(current, order="C")
     target.reshape(-1)[0] = value
     env[out_name] = target
+
+
+# -- lowerings: dense updates in place (what a trainer's optimizer ops are) --------------------
+
+
+@njit(cache=True)
+def require_same_size(param, grad):
+    """Raise (numba does no bounds checks) when a gradient does not match its parameter;
+    the interpreter then says which."""
+    if param.size != grad.size:
+        raise ValueError("a gradient does not match its parameter")
+
+
+def _in_place(op: LoweringOp, *slots: str) -> None:
+    op.require_dense("Param", "Grad")
+    for slot in slots:
+        if op.op.output(slot + "Out") != op.op.input(slot):
+            raise NotLowerable(f"{slot}Out is not {slot}: not an update in place")
+
+
+@family.lowering("sgd")
+def _sgd_lowering(op: LoweringOp) -> None:
+    _in_place(op, "Param")
+    p, g, lr = op.input("Param"), op.input("Grad"), op.input("LearningRate")
+    dtype = to_numpy_dtype(op.declared_dtype("Param"))
+    op.emit(op.call(require_same_size, p, g))
+    rate = f"np.{dtype.name}({lr}.reshape(-1)[0])"
+    rows = "np.zeros(1, np.int64)"  # the one row of a dense update (_DENSE_ROWS)
+    op.emit(op.call(_sgd_rows, f"{p}.reshape((1, {p}.size))", rows, f"{g}.reshape((1, {g}.size))", rate))
+
+
+@family.lowering("adam")
+def _adam_lowering(op: LoweringOp) -> None:
+    _in_place(op, "Param", "Moment1", "Moment2", "Beta1Pow", "Beta2Pow")
+    p, g = op.input("Param"), op.input("Grad")
+    m1, m2 = op.input("Moment1"), op.input("Moment2")
+    b1_pow, b2_pow = op.input("Beta1Pow"), op.input("Beta2Pow")
+    t = f"np.{to_numpy_dtype(op.declared_dtype('Param')).name}"
+    for array in (g, m1, m2):
+        op.emit(op.call(require_same_size, p, array))
+    lr, b1p, b2p, one, b1, b2 = (op.temp() for _ in range(6))
+    op.emit(f"{lr} = {t}({op.input('LearningRate')}.reshape(-1)[0])")
+    op.emit(f"{b1p}, {b2p} = {t}({b1_pow}.reshape(-1)[0]), {t}({b2_pow}.reshape(-1)[0])")
+    op.emit(f"{one}, {b1}, {b2} = {t}(1), {t}({op.attr('beta1')!r}), {t}({op.attr('beta2')!r})")
+    # As the kernel's dense step: bias-corrected rate and epsilon in Param's dtype.
+    lr_t, eps_t = op.temp(), op.temp()
+    op.emit(f"{lr_t} = {lr} * (np.sqrt({one} - {b2p}) / ({one} - {b1p}))")
+    op.emit(f"{eps_t} = {t}({op.attr('epsilon')!r}) * np.sqrt({one} - {b2p})")
+    views = [f"{a}.reshape((1, {a}.size))" for a in (p, m1, m2)]
+    rows = "np.zeros(1, np.int64)"
+    args = [
+        *views,
+        rows,
+        f"{g}.reshape((1, {g}.size))",
+        lr_t,
+        b1,
+        b2,
+        f"{one} - {b1}",
+        f"{one} - {b2}",
+        eps_t,
+    ]
+    op.emit(op.call(_adam_rows, *args, "False"))
+    op.emit(f"{b1_pow}.reshape(-1)[0] = {b1p} * {b1}")
+    op.emit(f"{b2_pow}.reshape(-1)[0] = {b2p} * {b2}")

@@ -15,6 +15,7 @@ from fluidps.ir.infer import InferContext, normalize_axis
 from fluidps.ops.defs import Bool, Compat, In, Int, Ints, Out, backend_hints
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.lowering import LoweringOp
 from fluidps.ops.registry import OpFamily
 
 family = OpFamily("reduce")
@@ -186,3 +187,20 @@ def _reduce_grad_kernel(op: KernelOp) -> Runner:
         env[dx_name] = plan.unview(_expand(dout, plan.n, _scale(op.type, plan.n)))
 
     return run
+
+
+@family.lowering("mean")
+def _mean_lowering(op: LoweringOp) -> None:
+    op.require_dense("X", "Out")
+    x = op.input("X")
+    op.emit(
+        f"{op.output('Out')} = {op.call(_reduce, f'{x}.reshape((1, {x}.size, 1))', f'1.0 / {x}.size')}.reshape(())"
+    )
+
+
+@family.lowering("mean_grad")
+def _mean_grad_lowering(op: LoweringOp) -> None:
+    op.require_dense("X", "Out@GRAD", "X@GRAD")
+    x, dout = op.input("X"), op.input("Out@GRAD")
+    grad = op.call(_expand, f"{dout}.reshape((1, 1))", f"{x}.size", f"1.0 / {x}.size")
+    op.emit(f"{op.output('X@GRAD')} = {grad}.reshape({x}.shape)")

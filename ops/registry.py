@@ -20,6 +20,7 @@ from fluidps.ir.program import Block
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops.grad import GradSpec, grad_schema
 from fluidps.ops.kernel import KernelBuilder, KernelOp, Runner
+from fluidps.ops.lowering import Lowering, LoweringOp, NotLowerable
 from fluidps.ops.runtime_api import KernelRuntime
 
 # Common attributes the builder writes on every op; the others (name scopes,
@@ -36,16 +37,23 @@ class OpFamily:
         self.name = name
         self.schemas: list[OpSchema] = []
         self.kernels: dict[str, KernelBuilder] = {}
+        self.lowerings: dict[str, Lowering] = {}
 
     def kernel(self, *types: str) -> Callable[[KernelBuilder], KernelBuilder]:
         """Register a kernel builder for one or more op types."""
+        return self._registrar(self.kernels, types, "kernels")
 
-        def register(builder: KernelBuilder) -> KernelBuilder:
+    def lowering(self, *types: str) -> Callable[[Lowering], Lowering]:
+        """Register the compiled form of one or more op types (fluidps.ops.lowering)."""
+        return self._registrar(self.lowerings, types, "lowerings")
+
+    def _registrar(self, table: dict[str, Any], types: tuple[str, ...], what: str) -> Callable[[Any], Any]:
+        def register(fn: Any) -> Any:
             for op_type in types:
-                if op_type in self.kernels:
-                    raise ProgramError(f"op {op_type!r} has two kernels in {self.name}")
-                self.kernels[op_type] = builder
-            return builder
+                if op_type in table:
+                    raise ProgramError(f"op {op_type!r} has two {what} in {self.name}")
+                table[op_type] = fn
+            return fn
 
         return register
 
@@ -84,6 +92,7 @@ class OpRegistry(Mapping[str, OpSchema]):
     def __init__(self, families: Iterable[OpFamily]):
         schemas: dict[str, OpSchema] = {}
         kernels: dict[str, KernelBuilder] = {}
+        lowerings: dict[str, Lowering] = {}
         for family in families:
             for schema in family.schemas:
                 if schema.type in schemas:
@@ -93,6 +102,12 @@ class OpRegistry(Mapping[str, OpSchema]):
                 if op_type in kernels:
                     raise ProgramError(f"op {op_type!r} has two kernels (second in {family.name})")
                 kernels[op_type] = builder
+            for op_type, lowering in family.lowerings.items():
+                if op_type in lowerings or op_type not in family.kernels:
+                    raise ProgramError(
+                        f"op {op_type!r} needs one kernel and at most one lowering ({family.name})"
+                    )
+                lowerings[op_type] = lowering
         for schema in list(schemas.values()):
             if isinstance(schema.grad, GradSpec) and schema.type + "_grad" not in schemas:
                 schemas[schema.type + "_grad"] = grad_schema(schema, schema.grad)
@@ -101,6 +116,7 @@ class OpRegistry(Mapping[str, OpSchema]):
         if unknown:
             raise ProgramError(f"kernels for undefined ops: {sorted(unknown)}")
         self._kernels = MappingProxyType(kernels)
+        self._lowerings = MappingProxyType(lowerings)
 
     def __getitem__(self, type: str) -> OpSchema:
         return self._schemas[type]
@@ -121,6 +137,20 @@ class OpRegistry(Mapping[str, OpSchema]):
 
     def has_kernel(self, type: str) -> bool:
         return type in self._kernels
+
+    def lower(
+        self, op: Operator, local: Callable[[str], str], helper: Callable[[Callable[..., Any]], str]
+    ) -> list[str]:
+        """The statements computing `op` in a compiled block (fluidps.ops.lowering);
+        raises NotLowerable when it has none (it then runs interpreted)."""
+        lowering = self._lowerings.get(op.type)
+        if lowering is None:
+            raise NotLowerable(f"op {op.type!r} has no lowering")
+        schema = self.schema(op.type)
+        self._check_implemented(op, schema)
+        lowered = LoweringOp(op, schema, local, helper)
+        lowering(lowered)
+        return lowered.lines
 
     def build_kernel(self, op: Operator, runtime: KernelRuntime | None = None) -> Runner:
         """The runner of `op`: its kernel builder applied to the op. Kernels of ops that

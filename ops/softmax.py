@@ -13,6 +13,7 @@ from fluidps.ir.types import VarType
 from fluidps.ops.defs import Bool, Compat, In, Int, Out, Str, backend_hints
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.lowering import LoweringOp, NotLowerable, dims, product, shape
 from fluidps.ops.registry import OpFamily
 
 family = OpFamily("softmax")
@@ -445,3 +446,68 @@ def _softmax_ce_grad_kernel(op: KernelOp) -> Runner:
         env[dx_name] = dx.reshape(sm.shape)
 
     return run
+
+
+# -- lowerings: hard labels through softmax (the classifier's loss) -------------------------
+
+
+@njit(cache=True)
+def require_labels(label, n, ignore_index):
+    """Raise (numba does no bounds checks) for a hard label outside [0, n); the compiled
+    segment is then run by the interpreter, whose error names the label."""
+    if n == 0 or _first_bad_label(label, n, ignore_index) >= 0:
+        raise ValueError("a hard label is out of range")
+
+
+class _Lowered:
+    """The (pre, n, post) views of a lowered cross-entropy op's operands."""
+
+    def __init__(self, op: LoweringOp, slot: str):
+        if op.attr("soft_label") or not op.attr("use_softmax"):
+            raise NotLowerable("soft labels, or logits that are probabilities")
+        self.op, self.ignore = op, int(op.attr("ignore_index"))
+        rank = op.rank(slot)
+        self.axis = _axis(op.attr("axis"), rank)
+        local = op.input(slot)
+        self.pre = product(dims(local, range(self.axis)))
+        self.n = f"{local}.shape[{self.axis}]"
+        self.post = product(dims(local, range(self.axis + 1, rank)))
+        self.local, self.rank = local, rank
+
+    def three(self, local: str) -> str:
+        return f"{local}.reshape(({self.pre}, {self.n}, {self.post}))"
+
+    def two(self, local: str) -> str:
+        return f"{local}.reshape(({self.pre}, {self.post}))"
+
+    def label(self) -> str:
+        label = self.op.input("Label")
+        self.op.emit(self.op.call(require_labels, label, self.n, str(self.ignore)))
+        return self.two(label)
+
+
+@family.lowering("softmax_with_cross_entropy")
+def _softmax_ce_lowering(op: LoweringOp) -> None:
+    op.require_dense("Logits", "Label", "Softmax", "Loss")
+    lay = _Lowered(op, "Logits")
+    sm, loss = op.temp(), op.temp()
+    op.emit(f"{sm}, {loss} = {op.call(_softmax_ce_hard, lay.three(lay.local), lay.label(), str(lay.ignore))}")
+    if (sm_out := op.output("Softmax")) is not None:
+        op.emit(f"{sm_out} = {sm}.reshape({lay.local}.shape)")
+    if (loss_out := op.output("Loss")) is not None:
+        loss_shape = [d if i != lay.axis else "1" for i, d in enumerate(dims(lay.local, range(lay.rank)))]
+        op.emit(f"{loss_out} = {loss}.reshape({shape(loss_shape)})")
+
+
+@family.lowering("softmax_with_cross_entropy_grad")
+def _softmax_ce_grad_lowering(op: LoweringOp) -> None:
+    op.require_dense("Label", "Softmax", "Loss@GRAD", "Logits@GRAD")
+    lay = _Lowered(op, "Softmax")
+    grad = op.call(
+        _softmax_ce_hard_grad,
+        lay.three(lay.local),
+        lay.label(),
+        lay.two(op.input("Loss@GRAD")),
+        str(lay.ignore),
+    )
+    op.emit(f"{op.output('Logits@GRAD')} = {grad}.reshape({lay.local}.shape)")

@@ -62,6 +62,7 @@ _PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (s
 # What a pserver remembers for its stats stays bounded however long the job runs.
 CLOCK_LOG_LIMIT = 100_000  # clock and grant events
 CLAIMS_LIMIT = 64  # connections whose new incarnation waits for a trainer id (more are refused)
+STALL_LOG_S = 30.0  # requests waiting this long on a step: the pserver says what for
 ROWS_LIMIT = 1 << 22  # sparse row ids per gradient (its counts go on past it)
 # Over the wire (STATS) the stats are compact: the recent clock log, and which rows arrived
 # only while they are few; a message's text must stay far below the wire's limit.
@@ -199,6 +200,7 @@ class ParameterServer:
         self.server: RpcServer | None = None
         self._started = time.monotonic()
         self._alone_since: float | None = None  # when the last trainer not done was evicted
+        self._stall = (0, time.monotonic())  # steps done, and since when requests wait on them
 
     def log(self, message: str) -> None:
         self.log_lines.append(message)
@@ -224,6 +226,7 @@ class ParameterServer:
                 self._retry_claims()
                 self._check_rejoin()
                 self._answer_deferred()
+                self._report_stall()
                 self._maybe_checkpoint()
                 failure = self.strategy.failure
                 if failure is not None:
@@ -245,6 +248,23 @@ class ParameterServer:
                 signal.signal(signal.SIGTERM, previous_handler)
         if self._stop_reason == "SIGTERM" and previous_handler is not None:
             os.kill(os.getpid(), signal.SIGTERM)  # die of it, as the sender expects, now that it is saved
+
+    def _report_stall(self) -> None:
+        """Say what the job waits for when requests have waited on a step for STALL_LOG_S
+        (again every STALL_LOG_S while it lasts): which trainers, in which state."""
+        now = time.monotonic()
+        if not self.deferred or self.strategy.steps != self._stall[0]:
+            self._stall = (self.strategy.steps, now)
+            return
+        if now - self._stall[1] < STALL_LOG_S:
+            return
+        self._stall = (self.strategy.steps, now)
+        waiting = sorted({(r.msg.trainer_id, r.msg.kind_name) for r in self.deferred})
+        states = {t: m.state for t, m in self.members.members.items()}
+        self.log(
+            f"no step done for {STALL_LOG_S:.0f} s with requests waiting {waiting}: "
+            f"{self.strategy.describe_wait()}; trainers {states}"
+        )
 
     def stop(self, reason: str) -> None:
         """Make the loop end (checkpointing first when it has a directory); thread-safe."""

@@ -112,6 +112,10 @@ class Strategy:
     def stats(self) -> dict[str, Any]:
         return {"completed_steps": 0}
 
+    def describe_wait(self) -> str:
+        """What the current step waits for, for a log line when it takes long."""
+        return f"{self.steps} steps done"
+
 
 class SyncStrategy(Strategy):
     mode = "sync"
@@ -195,6 +199,14 @@ class SyncStrategy(Strategy):
 
     def stats(self) -> dict[str, Any]:
         return {"completed_steps": self.completed}
+
+    def describe_wait(self) -> str:
+        live = self.ps.members.live
+        return (
+            f"step {self.completed + 1} has the barriers of trainers {sorted(self.arrived)} and waits for "
+            f"{sorted(live - self.arrived)} (live {sorted(live)}; gradients from {sorted(self.sent)}; GETs "
+            f"await steps {dict(sorted(self.awaiting.items()))})"
+        )
 
     def _apply(self, grad: str) -> None:
         """Run `grad`'s optimize block (and, first in a step, the learning-rate block)."""

@@ -243,6 +243,17 @@ class TrainerClient:
             self._communicator.drain()
         self._to_all(Kind.PAUSE, list(self._clients), self.trainer_id)
 
+    def resume(self) -> None:
+        """A paused trainer has data again (sync mode): it rejoins every pserver at once,
+        with an empty SEND waited for, before its step sends anything. Rejoining by its
+        first gradient instead would make it live at the pserver its backward pass
+        reaches first while another counts a step without it, and pservers would then
+        pair different barriers into their steps, which can deadlock two trainers. This
+        narrows that window to the skew between two pservers' messages; it does not
+        close it (steps in lockstep, a waiting trainer sending empty barriers, would)."""
+        if self._barrier_endpoints:
+            self._to_all(Kind.SEND, list(self._clients), self.trainer_id)
+
     def settle(self) -> None:
         """Send what is held, and wait for the acknowledgements of what was sent without waiting."""
         self._flush()

@@ -133,7 +133,9 @@ class TaskReader:
                     self._paused = True
                 time.sleep(WAIT_POLL_S)
                 continue
-            self._paused = False
+            if self._paused:
+                self._readers.resume_trainer()
+                self._paused = False
             self._lease, self._cursor, self._renewed = got, 0, time.monotonic()
             self._samples, self._loss_sum, self._loss_samples = 0, 0.0, 0
             self._data = self.dataset.read(got.shard, got.start, got.stop)
@@ -246,8 +248,9 @@ class Readers:
     Their tasks come from the coordinator at `coordinator` (an address) when there is
     one, through `connect(address, request)`; from a queue in this process otherwise.
     `wait_for_tasks`: a reader with no task now waits for one (pausing its trainer with
-    `pause_trainer`), unless a client drives this executor step by step (an executor
-    server): then it raises NoDataYet and the step is skipped.
+    `pause_trainer`, and resuming it with `resume_trainer` once a task came), unless a
+    client drives this executor step by step (an executor server): then it raises
+    NoDataYet and the step is skipped.
     """
 
     def __init__(
@@ -255,10 +258,11 @@ class Readers:
         coordinator: str | None,
         connect: Callable[[str, dict[str, Any]], TaskSource],
         pause_trainer: Callable[[], None],
+        resume_trainer: Callable[[], None] = lambda: None,
     ):
         self.coordinator = coordinator
         self.wait_for_tasks = True
-        self.pause_trainer = pause_trainer
+        self.pause_trainer, self.resume_trainer = pause_trainer, resume_trainer
         self._connect = connect
         self._open: dict[str, TaskReader] = {}
 

@@ -16,8 +16,9 @@ import fluidps
 from helpers import paddle_fixture
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["interpreted", "compiled"])
 @pytest.mark.parametrize("fixture", ["adam_sparse", "sgd_tanh"])
-def test_paddle_training_program_follows_paddles_trajectory(fixture):
+def test_paddle_training_program_follows_paddles_trajectory(fixture, compiled, tmp_path):
     path = paddle_fixture(fixture)
     program = fluidps.Program.parse_from_string((path / "main.pb").read_bytes())
     loss_name = json.loads((path / "summary.json").read_text())["loss"]
@@ -25,7 +26,7 @@ def test_paddle_training_program_follows_paddles_trajectory(fixture):
     scope = fluidps.Scope()
     for name in initial.files:
         scope[name] = initial[name].copy()
-    exe = fluidps.Executor()
+    exe = fluidps.Executor(compile=compiled, cache_dir=str(tmp_path))
     feed_names = sorted({key.split(":", 1)[1] for key in batches.files})
     losses = []
     for step in range(len(final["losses"])):
@@ -40,6 +41,9 @@ def test_paddle_training_program_follows_paddles_trajectory(fixture):
         np.testing.assert_allclose(scope[name], final[name], rtol=2e-5, atol=1e-6, err_msg=name)
         compared += 1
     assert compared == len(initial.files)
+    if compiled:  # the second and later steps ran compiled segments
+        (prepared,) = exe._cache[program].values()
+        assert prepared.runner.segments
 
 
 @pytest.mark.parametrize("fixture", ["adam_sparse", "sgd_tanh"])

@@ -79,17 +79,15 @@ def test_local_bench_rows(with_torch):
     args = ["--steps", "2", "--repeats", "1", "--ctr-batch", "16", "--ctr-steps", "2", "--ctr-vocab", "2600"]
     args += ["--sparse-table-rows", "300", "--sparse-rows", "40", "--sparse-repeats", "2"]
     rows = bench("local", *args, *([] if with_torch else ["--no-torch"]))
-    assert [r["workload"] for r in rows] == [
-        "digits_mlp",
-        "digits_mlp",
-        "tiny",
-        "ctr_embedding",
+    workloads = ["digits_mlp", "digits_mlp", "tiny", "ctr_embedding"]
+    assert [r["workload"] for r in rows] == [w for w in workloads for _ in range(2)] + [
         "sgd_sparse_rows",
         "adam_lazy_sparse_rows",
         "hashed_adam_lookup_update",
         "hashed_checkpoint_delta",
     ]
-    training, sparse = rows[:4], rows[4:]
+    training, sparse = rows[:8], rows[8:]
+    assert [r["executor"] for r in training] == ["interpreted", "compiled"] * 4
     peer_keys = {"torch", "fluidps_vs_torch"} if with_torch else set()
     for r in training:
         assert {"workload", "unit", "fluidps", "threads", "batch", "optimizer"} | peer_keys <= set(r)
@@ -97,10 +95,14 @@ def test_local_bench_rows(with_torch):
         assert r["threads"] == 1
         for key in ("fluidps", *sorted(peer_keys)):
             assert isinstance(r[key], float) and r[key] > 0, (r["workload"], key, r[key])
-    assert [r["unit"] for r in training] == ["steps/s"] * 3 + ["samples/s"]
-    assert [r["batch"] for r in training] == [64, 128, 64, 16]
-    assert training[0]["model"] == "64-256-256-10" and training[2]["model"] == "64-10"
-    assert training[3]["table"] == "2600x8" and training[3]["fields"] == 26
+        if r["executor"] == "compiled":  # the run that compiled, cold and from the disk cache
+            assert r["first_compile_s"] > 0 and (
+                r["workload"] == "ctr_embedding" or r["cached_compile_s"] > 0
+            )
+    assert [r["unit"] for r in training] == ["steps/s"] * 6 + ["samples/s"] * 2
+    assert [r["batch"] for r in training] == [64, 64, 128, 128, 64, 64, 16, 16]
+    assert training[0]["model"] == "64-256-256-10" and training[4]["model"] == "64-10"
+    assert training[6]["table"] == "2600x8" and training[6]["fields"] == 26
     # bench.local ends with bench.sparse_update's rows, its flags passed on.
     assert_sparse_rows(sparse, 300, 40, 16)
 

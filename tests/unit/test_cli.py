@@ -59,6 +59,21 @@ def test_inspect_shows_blocks_vars_and_ops(mlp_file):
     assert out.rstrip().endswith("verify: ok")
 
 
+def test_inspect_plan_shows_the_compiled_segments(tmp_path):
+    main, startup, loss = build_mlp()
+    with fluidps.program_guard(main, startup):
+        optimizer.SGD(0.1).minimize(loss)
+    path = tmp_path / "train.pb"
+    path.write_bytes(main.serialize_to_string())
+    result = run("inspect", str(path), "--plan")
+    assert result.returncode == 0, result.stderr
+    plan = result.stdout[result.stdout.index("\nblock 0: ") + 1 :]
+    assert plan.startswith(f"block 0: {len(main.global_block().ops)} ops, ")
+    assert "one compiled call (mul, elementwise_add" in plan and "one compiled call (sgd, sgd" in plan
+    data = json.loads(run("inspect", str(path), "--plan", "--json").stdout)
+    assert data["plan"] == plan.strip().splitlines()
+
+
 def test_inspect_json_is_complete(mlp_file):
     result = run("inspect", str(mlp_file), "--json", "--check")
     data = json.loads(result.stdout)

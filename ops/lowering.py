@@ -1,0 +1,140 @@
+"""The lowering contract: an op as straight-line code in a compiled block.
+
+Besides its kernel (a Python runner the interpreter calls), an op may register a
+*lowering*: given a `LoweringOp`, it writes the statements that compute the op
+into the source of one numba-compiled function (fluidps.executor.compiler). Its
+inputs and outputs are local variables there; it calls the same numba helpers its
+kernel calls, through `call`, which imports them into the generated module.
+Everything that depends only on the op (attributes, ranks, which outputs are
+wanted) is decided while lowering: the generated code is only the per-step work.
+
+A lowering raises NotLowerable for a case it does not handle (a SelectedRows
+operand, an attribute value it has no code for): the op then runs interpreted,
+between compiled segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fluidps.errors import ExecutionError
+from fluidps.ir.operator import Operator
+from fluidps.ir.opschema import OpSchema
+from fluidps.ir.types import EMPTY_VAR_NAME, VarType
+
+
+class NotLowerable(Exception):
+    """This op (as configured here) has no compiled form: it runs interpreted."""
+
+
+class LoweringOp:
+    """What a lowering sees of one op, and where it writes its code."""
+
+    def __init__(
+        self,
+        op: Operator,
+        schema: OpSchema,
+        local: Callable[[str], str],
+        helper: Callable[[Callable[..., Any]], str],
+    ):
+        self.op = op
+        self.type = op.type
+        self._schema = schema
+        self._local = local
+        self._helper = helper
+        self.lines: list[str] = []
+        self._temps = 0
+
+    # -- the op --------------------------------------------------------------------------
+
+    def attr(self, name: str) -> Any:
+        return self._schema.attr_value(self.op, name)
+
+    def input(self, slot: str) -> str:
+        """The local variable holding the one variable of an input slot."""
+        return self._local(self._one(self.op.input(slot), "input", slot))
+
+    def output(self, slot: str) -> str | None:
+        """The local variable for the one variable of an output slot; None when unwanted."""
+        names = [n for n in self.op.output(slot) if n != EMPTY_VAR_NAME]
+        return self._local(self._one(names, "output", slot)) if names else None
+
+    def has_input(self, slot: str) -> bool:
+        return any(n != EMPTY_VAR_NAME for n in self.op.input(slot))
+
+    def rank(self, slot: str, output: bool = False) -> int:
+        """The declared rank of the one variable of a slot (ranks are fixed: feeds are
+        checked against them; sizes are not, so code reads them at run time)."""
+        names = self.op.output(slot) if output else self.op.input(slot)
+        var = self._var(self._one([n for n in names if n != EMPTY_VAR_NAME], "slot", slot))
+        if var.shape is None:
+            raise NotLowerable(f"{slot} has no declared shape")
+        return len(var.shape)
+
+    def declared(self, slot: str) -> tuple[int, ...]:
+        """The declared shape of an input slot's one variable (-1: any size)."""
+        var = self._var(self._one([n for n in self.op.input(slot) if n != EMPTY_VAR_NAME], "input", slot))
+        if var.shape is None:
+            raise NotLowerable(f"{slot} has no declared shape")
+        return tuple(var.shape)
+
+    def declared_dtype(self, slot: str) -> VarType:
+        """The declared element type of an input slot's one variable."""
+        var = self._var(self._one([n for n in self.op.input(slot) if n != EMPTY_VAR_NAME], "input", slot))
+        if var.dtype is None:
+            raise NotLowerable(f"{slot} has no declared dtype")
+        return var.dtype
+
+    def require_dense(self, *slots: str) -> None:
+        """Only dense tensors are lowered: a SelectedRows operand runs interpreted."""
+        for slot in slots:
+            for name in self.op.input(slot) + self.op.output(slot):
+                if name == EMPTY_VAR_NAME:
+                    continue
+                var = self._var(name)
+                if var.type != VarType.LOD_TENSOR or var.dtype is None:
+                    raise NotLowerable(f"{name} is not a dense tensor")
+
+    # -- the code ------------------------------------------------------------------------
+
+    def call(self, fn: Callable[..., Any], *args: str) -> str:
+        """An expression calling numba function `fn` (a module-level function) on `args`."""
+        return f"{self._helper(fn)}({', '.join(args)})"
+
+    def emit(self, line: str) -> None:
+        self.lines.append(line)
+
+    def temp(self) -> str:
+        """A fresh local for an intermediate value (numba types each local once)."""
+        self._temps += 1
+        return self._local(f"@{self.type}#{id(self)}#{self._temps}")
+
+    def _var(self, name: str) -> Any:
+        var = None if self.op.block is None else self.op.block.find_var(name)
+        if var is None:
+            raise NotLowerable(f"{name} is not declared")
+        return var
+
+    def _one(self, names: list[str], kind: str, slot: str) -> str:
+        if len(names) != 1:
+            raise ExecutionError(f"op {self.type!r}: {kind} {slot!r} needs one variable, got {names}")
+        return names[0]
+
+
+Lowering = Callable[[LoweringOp], None]
+
+
+def dims(local: str, indices: range | list[int]) -> list[str]:
+    """Expressions for dimensions `indices` of array `local`, read at run time."""
+    return [f"{local}.shape[{i}]" for i in indices]
+
+
+def shape(parts: list[str]) -> str:
+    """A tuple expression of dimension expressions (() for none)."""
+    return f"({', '.join(parts)},)" if parts else "()"
+
+
+def product(parts: list[str]) -> str:
+    """The product of dimension expressions (1 for none)."""
+    return " * ".join(parts) if parts else "1"

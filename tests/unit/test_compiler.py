@@ -1,0 +1,220 @@
+"""The executor compiler (fluidps.executor.compiler): a block's ops as numba-compiled
+segments give the interpreter's results, bit for bit where they call the same
+helpers; what has no compiled form runs interpreted between segments; failures name
+the op; generated code is reused from disk by the next process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fluidps
+from fluidps import layers, optimizer
+from fluidps.executor.compiler import Compiler, ModuleCache
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> ModuleCache:
+    """One cache directory for the module: each generated segment compiles once."""
+    return ModuleCache(tmp_path_factory.mktemp("compiled"))
+
+
+def _classifier(sizes, act="relu", opt="sgd", seed=1):
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = seed
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [sizes[0]])
+        y = layers.data("y", [1], dtype="int64")
+        h = x
+        for width in sizes[1:-1]:
+            h = layers.fc(h, width, act=act)
+        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, sizes[-1]), y))
+        (optimizer.Adam(0.01) if opt == "adam" else optimizer.SGD(0.1)).minimize(loss)
+    return main, startup, loss
+
+
+def _batches(sizes, batch, count=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(batch, sizes[0])).astype(np.float32),
+            "y": rng.integers(0, sizes[-1], (batch, 1)),
+        }
+        for _ in range(count)
+    ]
+
+
+def _train(build, batches, steps, compiler):
+    main, startup, loss = build()
+    exe = fluidps.Executor(compile=compiler)
+    exe.run(startup)
+    losses = [exe.run(main, feed=batches[i % len(batches)], fetch_list=[loss])[0] for i in range(steps)]
+    params = {p.name: exe.scope[p.name].copy() for p in main.all_parameters()}
+    return losses, params, exe, main
+
+
+def _assert_same_training(build, batches, steps, cache):
+    want_losses, want_params, *_ = _train(build, batches, steps, None)
+    got_losses, got_params, exe, main = _train(build, batches, steps, Compiler(cache))
+    (prepared,) = exe._cache[main].values()
+    assert prepared.runner.segments, "nothing was compiled"
+    for step, (got, want) in enumerate(zip(got_losses, want_losses, strict=True)):
+        np.testing.assert_array_equal(got, want, err_msg=f"loss of step {step}")
+    for name, want in want_params.items():
+        np.testing.assert_array_equal(got_params[name], want, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "sizes, act, opt",
+    [([16, 5], "relu", "sgd"), ([16, 32, 32, 5], "relu", "sgd"), ([16, 32, 5], "tanh", "adam"), ([16, 24, 5], "sigmoid", "sgd")],
+)  # fmt: skip
+def test_training_compiled_is_training_interpreted_bit_for_bit(cache, sizes, act, opt):
+    """Forward, backward and the optimizer's dense updates in place, over several steps
+    and batch sizes (the compiled code reads sizes at run time)."""
+    batches = _batches(sizes, 8) + _batches(sizes, 3, seed=1)
+    _assert_same_training(lambda: _classifier(sizes, act, opt), batches, 12, cache)
+
+
+def _elementwise(op_name):
+    def build():
+        main, startup = fluidps.Program(), fluidps.Program()
+        startup.random_seed = 3
+        with fluidps.program_guard(main, startup):
+            x = layers.data("x", [6])
+            y = layers.data("y", [1], dtype="int64")
+            h = layers.fc(x, 4, act="sigmoid")
+            w = layers.create_parameter(
+                [4], "float32", default_initializer=fluidps.initializer.Uniform(0.5, 1.5)
+            )
+            h = getattr(layers, op_name)(h, w)
+            loss = layers.mean(layers.softmax_with_cross_entropy(h, y))
+            optimizer.SGD(0.1).minimize(loss)
+        return main, startup, loss
+
+    return build
+
+
+@pytest.mark.parametrize(
+    "op_name",
+    [
+        "elementwise_add",
+        "elementwise_sub",
+        "elementwise_mul",
+        "elementwise_div",
+        "elementwise_max",
+        "elementwise_min",
+    ],
+)
+def test_each_elementwise_op_and_its_gradient_compile_to_the_interpreter_s_results(cache, op_name):
+    sizes = [6, 4]
+    _assert_same_training(_elementwise(op_name), _batches(sizes, 5), 4, cache)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    widths=st.lists(st.integers(1, 12), min_size=0, max_size=2),
+    act=st.sampled_from(["relu", "tanh", "sigmoid"]),
+    opt=st.sampled_from(["sgd", "adam"]),
+    batch=st.integers(1, 9),
+)
+def test_random_small_programs_compile_to_the_interpreter_s_results(cache, widths, act, opt, batch):
+    sizes = [5, *widths, 3]
+    _assert_same_training(lambda: _classifier(sizes, act, opt), _batches(sizes, batch), 3, cache)
+
+
+def test_explain_names_the_segments_and_why_other_ops_run_interpreted():
+    main, _, _ = _classifier([8, 16, 4])
+    with fluidps.program_guard(main):
+        layers.accuracy(layers.softmax(main.global_block().var("fc_1.tmp_1")), main.global_block().var("y"))
+    text = fluidps.Executor(compile=True).explain(main)
+    assert text.startswith(f"block 0: {len(main.global_block().ops)} ops, ")
+    assert "one compiled call (mul, elementwise_add, relu, mul" in text
+    assert "op #" in text and "(top_k): interpreted: op 'top_k' has no lowering" in text
+    assert "one compiled call (sgd, sgd, sgd, sgd)" in text  # the updates: a segment of their own
+
+
+def test_a_failure_in_a_compiled_segment_names_the_op(cache):
+    """numba does no bounds checks: a label out of range is caught before the kernel,
+    and the segment, run again by the interpreter, says which op and which label."""
+    main, startup, loss = _classifier([4, 3])
+    exe = fluidps.Executor(compile=Compiler(cache))
+    exe.run(startup)
+    x = np.ones((2, 4), np.float32)
+    exe.run(main, feed={"x": x, "y": np.array([[0], [2]])}, fetch_list=[loss])
+    before = {p.name: exe.scope[p.name].copy() for p in main.all_parameters()}
+    with pytest.raises(
+        fluidps.ExecutionError, match=r"op #\d+ \(softmax_with_cross_entropy\) failed: .*label 7"
+    ):
+        exe.run(main, feed={"x": x, "y": np.array([[0], [7]])}, fetch_list=[loss])
+    for name, value in before.items():  # the failed step changed nothing
+        np.testing.assert_array_equal(exe.scope[name], value, err_msg=name)
+    with pytest.raises(fluidps.ExecutionError, match=r"\(elementwise_add\) failed: .*do not broadcast"):
+        _run_two_feeds(cache)
+
+
+def _run_two_feeds(cache):
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        out = layers.relu(layers.elementwise_add(layers.data("a", [4]), layers.data("b", [4])))
+    exe = fluidps.Executor(compile=Compiler(cache))
+    exe.run(startup)
+    for b in (3, 2):  # compiled at the second run, which gets two batch sizes
+        exe.run(
+            main, feed={"a": np.ones((3, 4), np.float32), "b": np.ones((b, 4), np.float32)}, fetch_list=[out]
+        )
+
+
+_CACHED_RUN = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import fluidps
+    from fluidps import layers, optimizer
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [4]); y = layers.data("y", [1], dtype="int64")
+        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(x, 3, act="relu"), y))
+        optimizer.SGD(0.1).minimize(loss)
+    exe = fluidps.Executor(compile=True, cache_dir=sys.argv[1])
+    exe.run(startup)
+    for _ in range(2):  # compiled when it runs a second time
+        exe.run(main, feed={"x": np.ones((2, 4), np.float32), "y": np.zeros((2, 1), np.int64)}, fetch_list=[loss])
+    (prepared,) = exe._cache[main].values()
+    stats = [s.fn.stats for s in prepared.runner.segments.values()]
+    print(json.dumps({"hits": sum(sum(s.cache_hits.values()) for s in stats),
+                      "misses": sum(sum(s.cache_misses.values()) for s in stats), "segments": len(stats)}))
+    """
+)
+
+
+def test_a_second_process_loads_the_compiled_segments_from_the_cache(tmp_path):
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", _CACHED_RUN, str(tmp_path)], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["segments"] == second["segments"] >= 2
+    assert first["misses"] == first["segments"] and first["hits"] == 0  # compiled, then stored
+    assert second["hits"] == second["segments"] and second["misses"] == 0  # loaded, not compiled
+    # The startup program ran once: interpreted, nothing of it compiled.
+    assert len(list(tmp_path.glob("*.py"))) == first["segments"]
+
+
+def test_fluidps_compile_in_the_environment_turns_the_compiler_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLUIDPS_COMPILE", "1")
+    monkeypatch.setenv("FLUIDPS_CACHE_DIR", str(tmp_path))
+    exe = fluidps.Executor()
+    assert exe.compiler is not None and exe.compiler.cache.directory == tmp_path
+    monkeypatch.setenv("FLUIDPS_COMPILE", "yes")
+    with pytest.raises(fluidps.BuilderError, match="FLUIDPS_COMPILE='yes' is invalid"):
+        fluidps.Executor()
