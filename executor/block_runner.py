@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
@@ -88,9 +89,7 @@ class BlockRunner:
     def run(self, env: Any) -> None:
         self._runs += 1
         if self._runs == 2 and self._compiler is not None:
-            from fluidps.executor.compiler import compile_block
-
-            self.segments = {s.start: s for s in compile_block(self.block, self._compiler, self._keep)}
+            self._compile()
         if self.segments:
             self._run_compiled(env)
             return
@@ -114,6 +113,20 @@ class BlockRunner:
         except Exception as e:
             raise ExecutionError(self._failure(index, env, e)) from e
 
+    def _compile(self) -> None:
+        """Compile the block's segments; a block the compiler cannot handle (a cache
+        directory it cannot write, a lowering that fails) runs interpreted, with a warning."""
+        from fluidps.executor.compiler import compile_block
+
+        try:
+            self.segments = {s.start: s for s in compile_block(self.block, self._compiler, self._keep)}
+        except Exception as e:  # the interpreter gives the same results: compiling is only faster
+            warnings.warn(
+                f"block {self.block.idx} runs interpreted: it could not be compiled ({type(e).__name__}: {e})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
     def _run_compiled(self, env: Any) -> None:
         index, count = 0, len(self.runners)
         while index < count:
@@ -133,12 +146,17 @@ class BlockRunner:
             index = segment.stop
 
     def _run_op(self, index: int, env: Any) -> None:
+        category = self._categories[index] if self._profile is not None else None
+        start = time.perf_counter()
         try:
             self.runners[index](env)
         except (EOFException, NoDataYet):
             raise
         except Exception as e:
             raise ExecutionError(self._failure(index, env, e)) from e
+        finally:
+            if category is not None:
+                self._profile.add(category, time.perf_counter() - start)
 
     def _run_segment(self, segment: Segment, env: Any) -> None:
         try:

@@ -218,3 +218,18 @@ def test_fluidps_compile_in_the_environment_turns_the_compiler_on(monkeypatch, t
     monkeypatch.setenv("FLUIDPS_COMPILE", "yes")
     with pytest.raises(fluidps.BuilderError, match="FLUIDPS_COMPILE='yes' is invalid"):
         fluidps.Executor()
+
+
+def test_a_block_that_cannot_be_compiled_runs_interpreted_with_a_warning(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    main, startup, loss = _classifier([4, 3])
+    exe = fluidps.Executor(compile=Compiler(ModuleCache(tmp_path / "a-file" / "cache")))
+    exe.run(startup)
+    feed = _batches([4, 3], 2)[0]
+    exe.run(main, feed=feed, fetch_list=[loss])
+    with pytest.warns(
+        RuntimeWarning, match="block 0 runs interpreted: it could not be compiled .*cannot write"
+    ):
+        (second,) = exe.run(main, feed=feed, fetch_list=[loss])
+    (prepared,) = exe._cache[main].values()
+    assert not prepared.runner.segments and np.isfinite(second)
