@@ -147,7 +147,7 @@ class BlockRunner:
 
     def _run_op(self, index: int, env: Any) -> None:
         category = self._categories[index] if self._profile is not None else None
-        start = time.perf_counter()
+        start = time.perf_counter() if category is not None else 0.0
         try:
             self.runners[index](env)
         except (EOFException, NoDataYet):

@@ -63,25 +63,21 @@ class LoweringOp:
     def has_input(self, slot: str) -> bool:
         return any(n != EMPTY_VAR_NAME for n in self.op.input(slot))
 
-    def rank(self, slot: str, output: bool = False) -> int:
-        """The declared rank of the one variable of a slot (ranks are fixed: feeds are
+    def rank(self, slot: str) -> int:
+        """The declared rank of an input slot's one variable (ranks are fixed: feeds are
         checked against them; sizes are not, so code reads them at run time)."""
-        names = self.op.output(slot) if output else self.op.input(slot)
-        var = self._var(self._one([n for n in names if n != EMPTY_VAR_NAME], "slot", slot))
-        if var.shape is None:
-            raise NotLowerable(f"{slot} has no declared shape")
-        return len(var.shape)
+        return len(self.declared(slot))
 
     def declared(self, slot: str) -> tuple[int, ...]:
         """The declared shape of an input slot's one variable (-1: any size)."""
-        var = self._var(self._one([n for n in self.op.input(slot) if n != EMPTY_VAR_NAME], "input", slot))
+        var = self._input_var(slot)
         if var.shape is None:
             raise NotLowerable(f"{slot} has no declared shape")
         return tuple(var.shape)
 
     def declared_dtype(self, slot: str) -> VarType:
         """The declared element type of an input slot's one variable."""
-        var = self._var(self._one([n for n in self.op.input(slot) if n != EMPTY_VAR_NAME], "input", slot))
+        var = self._input_var(slot)
         if var.dtype is None:
             raise NotLowerable(f"{slot} has no declared dtype")
         return var.dtype
@@ -109,6 +105,9 @@ class LoweringOp:
         """A fresh local for an intermediate value (numba types each local once)."""
         self._temps += 1
         return self._local(f"@{self.type}#{id(self)}#{self._temps}")
+
+    def _input_var(self, slot: str) -> Any:
+        return self._var(self._one([n for n in self.op.input(slot) if n != EMPTY_VAR_NAME], "input", slot))
 
     def _var(self, name: str) -> Any:
         var = None if self.op.block is None else self.op.block.find_var(name)

@@ -26,7 +26,6 @@ class Segment:
     inputs: list[str]
     outputs: list[str]
     fn: Callable[..., Any]
-    source: str
     writes_in_place: list[str]  # inputs the segment updates in place (persistable state)
 
 
@@ -115,8 +114,6 @@ def compile_block(block: Block, compiler: Compiler, keep: Collection[str] = ()) 
         module = compiler.cache.load(source.text, source.helper_sources)
         in_place = [n for n in source.inputs if n in source.outputs and n in persistable]
         segments.append(
-            Segment(
-                start, stop, source.inputs, source.outputs, getattr(module, FUNCTION), source.text, in_place
-            )
+            Segment(start, stop, source.inputs, source.outputs, getattr(module, FUNCTION), in_place)
         )
     return segments

@@ -31,13 +31,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
 from fluidps.executor.ps.checkpointer import Checkpointer
+from fluidps.executor.ps.gradients import GradientSpec, RowLog
 from fluidps.executor.ps.membership import DONE, Claim, Membership
 from fluidps.executor.ps.message_limit import message_limit
 from fluidps.executor.ps.strategies import STRATEGIES
@@ -47,7 +47,7 @@ from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
 from fluidps.ir.operator import Operator
-from fluidps.ir.types import DISTRIBUTED_MODES, VarType, to_numpy_dtype
+from fluidps.ir.types import DISTRIBUTED_MODES
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.ops.sparse_table import SparseTable
 
@@ -63,76 +63,10 @@ _PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (s
 CLOCK_LOG_LIMIT = 100_000  # clock and grant events
 CLAIMS_LIMIT = 64  # connections whose new incarnation waits for a trainer id (more are refused)
 STALL_LOG_S = 30.0  # requests waiting this long on a step: the pserver says what for
-ROWS_LIMIT = 1 << 22  # sparse row ids per gradient (its counts go on past it)
 # Over the wire (STATS) the stats are compact: the recent clock log, and which rows arrived
 # only while they are few; a message's text must stay far below the wire's limit.
 WIRE_CLOCK_EVENTS = 1000
 WIRE_UNIQUE_ROWS = 50_000
-
-
-class RowLog:
-    """The sparse rows one gradient brought, in arrival order (up to ROWS_LIMIT), and how many."""
-
-    def __init__(self) -> None:
-        self.chunks: list[np.ndarray] = []
-        self.total = self.kept = 0
-
-    def add(self, rows: np.ndarray) -> None:
-        self.total += len(rows)
-        room = ROWS_LIMIT - self.kept
-        if room > 0:
-            self.chunks.append(np.array(rows[:room], dtype=np.int64, copy=True))
-            self.kept += min(room, len(rows))
-
-    def rows(self) -> list[int]:
-        return np.concatenate(self.chunks).tolist() if self.chunks else []
-
-    def unique(self) -> np.ndarray:
-        return np.unique(np.concatenate(self.chunks)) if self.chunks else np.zeros(0, np.int64)
-
-
-@dataclass(frozen=True)
-class GradientSpec:
-    """What a gradient this pserver optimizes must look like (its declaration here): a
-    dense tensor of the slice's shape, or rows of it, in the parameter's dtype. -1
-    dimensions (a hashed table's rows) match any size."""
-
-    sparse: bool
-    shape: tuple[int, ...] | None
-    dtype: np.dtype | None
-
-    @staticmethod
-    def of(var: Any) -> GradientSpec:
-        if var is None:
-            return GradientSpec(False, None, None)
-        dtype = to_numpy_dtype(var.dtype) if var.dtype is not None else None
-        shape = tuple(var.shape) if var.shape is not None else None
-        return GradientSpec(var.type == VarType.SELECTED_ROWS, shape, dtype)
-
-    def problem(self, name: str, value: Any) -> str | None:
-        """What is wrong with `value` as gradient `name`, or None."""
-        sparse = isinstance(value, SelectedRows)
-        array = value.value if sparse else value
-        if sparse != self.sparse:
-            want = "rows (SelectedRows)" if self.sparse else "a dense tensor"
-            return f"{name!r} must be {want}, got {'rows' if sparse else 'a dense tensor'}"
-        if self.dtype is not None and array.dtype != self.dtype:
-            return f"{name!r} must be {self.dtype}, got {array.dtype}{list(array.shape)}"
-        if self.shape is None:
-            return None
-        got = array.shape[1:] if sparse else array.shape
-        want = self.shape[1:] if sparse else self.shape
-        if len(got) != len(want) or any(w >= 0 and g != w for g, w in zip(got, want, strict=False)):
-            what = "rows of width" if sparse else "shape"
-            return f"{name!r} must have {what} {list(want)}, got {array.dtype}{list(array.shape)}"
-        if sparse:
-            rows, height = value.rows, self.shape[0]
-            if len(rows) != len(array):
-                return f"{name!r} holds {len(array)} rows of values for {len(rows)} row ids"
-            if rows.size and (int(rows.min()) < 0 or (height >= 0 and int(rows.max()) >= height)):
-                bound = f"0..{height - 1}" if height >= 0 else ">= 0"
-                return f"{name!r} names rows outside {bound} (rows {int(rows.min())}..{int(rows.max())})"
-        return None
 
 
 def _pairs(values: list[str]) -> dict[str, int]:

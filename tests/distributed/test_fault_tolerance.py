@@ -46,18 +46,23 @@ PEER_TIMEOUT = 4.0
 pytestmark = [pytest.mark.timeout(900), pytest.mark.under_load]
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    """The training split of the digits as a dataset (shards of 160 records: 9 tasks)."""
-    path = tmp_path_factory.mktemp("data") / "digits"
+def _dataset(tmp_path_factory, script: Path, name: str) -> Path:
+    """The dataset `script --write-dataset` writes."""
+    path = tmp_path_factory.mktemp("data") / name
     done = subprocess.run(
-        [sys.executable, str(DIGITS), "--write-dataset", str(path)],
+        [sys.executable, str(script), "--write-dataset", str(path)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
     return path
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    """The training split of the digits as a dataset (shards of 160 records: 9 tasks)."""
+    return _dataset(tmp_path_factory, DIGITS, "digits")
 
 
 class Job:
@@ -232,15 +237,7 @@ def test_a_job_survives_a_killed_process(tmp_path, digits, fault_free, victim, r
 @pytest.fixture(scope="module")
 def clicks(tmp_path_factory) -> Path:
     """The held-out job's data: a synthetic click log as a dataset (20 tasks)."""
-    path = tmp_path_factory.mktemp("data") / "clicks"
-    done = subprocess.run(
-        [sys.executable, str(CTR_JOB), "--write-dataset", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    return path
+    return _dataset(tmp_path_factory, CTR_JOB, "clicks")
 
 
 def test_a_held_out_job_survives_a_killed_trainer_pserver_and_coordinator(tmp_path, clicks):
