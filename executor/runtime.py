@@ -109,9 +109,7 @@ class Runtime:
         if self._readers is None:
             from fluidps.executor.tasks.task_reader import Readers
 
-            self._readers = Readers(
-                self.config.coordinator, self._coordinator_source, self._pause_trainer, self._resume_trainer
-            )
+            self._readers = Readers(self.config.coordinator, self._coordinator_source, self._idle_trainer)
         return self._readers
 
     @property
@@ -147,13 +145,18 @@ class Runtime:
     def _runner_for(self, block: Block) -> BlockRunner:
         return BlockRunner(block, self, compute="optimize")  # a pserver's optimize blocks
 
-    def _pause_trainer(self) -> None:
-        if self._trainer is not None:  # a reader without pservers has nobody to tell
-            self._trainer.pause()
-
-    def _resume_trainer(self) -> None:
-        if self._trainer is not None:
-            self._trainer.resume()
+    def _idle_trainer(self) -> bool:
+        """A reader has no task for now: a sync trainer takes part in a round without
+        gradients (whether another trainer trained meanwhile says to ask again at once),
+        any other pauses. (A trainer that has not sent a step yet does not know its mode
+        and pauses: its first step resumes it.)"""
+        trainer = self._trainer
+        if trainer is None:  # a reader without pservers has nobody to tell
+            return False
+        if trainer.in_lockstep:
+            return trainer.idle_round()
+        trainer.pause()
+        return False
 
     def _coordinator_source(self, address: str, request: dict[str, Any]) -> TaskSource:
         from fluidps.executor.tasks.coordinator_client import CoordinatorClient, CoordinatorSource

@@ -4,8 +4,10 @@ Each trainer id is held by one process at a time, known by its incarnation
 (the `sender` of its messages). A trainer is
 
 - live: the sync barrier and the SSP bound wait for it;
-- paused: it has no data for now (between a pass's last tasks): nobody waits
-  for it until it sends again;
+- paused: it has no data for now (an async or SSP trainer between a pass's last
+  tasks, a reader at its end, an elastic trainer leaving): nobody waits for it
+  until it sends again (a sync trainer waiting for a task does not pause: it
+  keeps taking part in rounds, see fluidps.executor.ps.strategies);
 - done: it said COMPLETE;
 - lost: silent for longer than the trainer timeout (dead, hung or cut off).
 

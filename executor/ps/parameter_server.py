@@ -134,7 +134,7 @@ class ParameterServer:
         self.server: RpcServer | None = None
         self._started = time.monotonic()
         self._alone_since: float | None = None  # when the last trainer not done was evicted
-        self._stall = (0, time.monotonic())  # steps done, and since when requests wait on them
+        self._stall = (0, time.monotonic())  # the progress counted, and since when requests wait on it
 
     def log(self, message: str) -> None:
         self.log_lines.append(message)
@@ -187,12 +187,12 @@ class ParameterServer:
         """Say what the job waits for when requests have waited on a step for STALL_LOG_S
         (again every STALL_LOG_S while it lasts): which trainers, in which state."""
         now = time.monotonic()
-        if not self.deferred or self.strategy.steps != self._stall[0]:
-            self._stall = (self.strategy.steps, now)
+        if not self.deferred or self.strategy.progress != self._stall[0]:
+            self._stall = (self.strategy.progress, now)
             return
         if now - self._stall[1] < STALL_LOG_S:
             return
-        self._stall = (self.strategy.steps, now)
+        self._stall = (self.strategy.progress, now)
         waiting = sorted({(r.msg.trainer_id, r.msg.kind_name) for r in self.deferred})
         states = {t: m.state for t, m in self.members.members.items()}
         self.log(
@@ -415,8 +415,10 @@ class ParameterServer:
             self.strategy.on_barrier(msg.trainer_id, msg.step)
 
     def _on_send_barrier(self, request: Request) -> None:
-        self.server.reply(request)
+        """A barrier without gradients (a trainer waiting for a task keeps in step): it
+        is answered, as a GET of nothing, once its round is done, with the steps done."""
         self.strategy.on_barrier(request.msg.trainer_id, request.msg.step)
+        self._pull(request)
 
     # -- trainers coming and going ------------------------------------------------------------
 
@@ -540,7 +542,7 @@ class ParameterServer:
             values = {name: self.strategy.read(name) for name in msg.names}
             if msg.trainer_id >= 0:
                 self.strategy.answered(msg.trainer_id)
-        self.server.reply(request, Message(Kind.VALUES, tensors=values))
+        self.server.reply(request, Message(Kind.VALUES, tensors=values, step=self.strategy.steps))
 
     def _answer_deferred(self) -> None:
         sends, self.unapplied = self.unapplied, []

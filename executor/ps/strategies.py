@@ -1,6 +1,10 @@
 """How a pserver applies gradients and when it answers a GET: one class per mode.
 
-- sync: trainer i's gradient of a slice lands in `<grad>.trainer_<i>` (in `<grad>`
+- sync: trainers go in lockstep: every live trainer sends a barrier each round, with
+  gradients when it had a batch, without when it waits for a task (see
+  TrainerClient.idle_round), so every pserver pairs the same barriers into its rounds.
+  A round with gradients is an optimization step; checkpoints and stats count those.
+  Trainer i's gradient of a slice lands in `<grad>.trainer_<i>` (in `<grad>`
   itself when the job has one trainer). A slice whose
   gradient every trainer of the job has sent is optimized at once (the learning-rate
   block first, once a step), while the trainers still compute the gradients of the
@@ -59,6 +63,11 @@ class Strategy:
     def steps(self) -> int:
         """Steps this pserver has counted (what checkpoints are numbered by)."""
         raise NotImplementedError
+
+    @property
+    def progress(self) -> int:
+        """What moves whenever the job does: a stall is this standing still."""
+        return self.steps
 
     def restore(self, step: int) -> None:
         """Continue from a checkpoint taken at `step`."""
@@ -126,11 +135,12 @@ class SyncStrategy(Strategy):
         self.sent: set[int] = set()  # trainers whose gradients of the current step arrived
         self.senders: dict[str, set[int]] = {}  # per gradient: the trainers that sent it this step
         self.applied: set[str] = set()  # gradients whose optimize block ran this step
-        self.awaiting: dict[int, int] = {}  # the step each trainer's next GET waits for
+        self.awaiting: dict[int, int] = {}  # the round each trainer's next GET waits for
         # Each trainer's own step number of its last barrier counted: anything it sends
         # numbered that or lower belongs to a step already closed (0: unnumbered, not checked).
         self.closed: dict[int, int] = {}
-        self.completed = 0  # optimization steps done
+        self.rounds = 0  # rounds of barriers closed, those without gradients too
+        self.completed = 0  # optimization steps done: rounds some trainer brought gradients to
         # Where each trainer's gradient of a slice lands: its own copy, which the optimize
         # block sums; a job of one trainer has no copies, its gradient is optimized as it is.
         self.copies = {
@@ -141,6 +151,10 @@ class SyncStrategy(Strategy):
     @property
     def steps(self) -> int:
         return self.completed
+
+    @property
+    def progress(self) -> int:
+        return self.rounds
 
     def restore(self, step: int) -> None:
         self.completed = step
@@ -177,7 +191,7 @@ class SyncStrategy(Strategy):
         if step:
             self.closed[trainer] = step
         self.arrived.add(trainer)
-        self.awaiting[trainer] = self.completed + 1
+        self.awaiting[trainer] = self.rounds + 1
         self._maybe_complete()
 
     def on_members_changed(self) -> None:
@@ -192,20 +206,20 @@ class SyncStrategy(Strategy):
         return 0 < step <= self.closed.get(trainer, 0)
 
     def may_answer(self, trainer: int) -> bool:
-        return self.completed >= self.awaiting.get(trainer, 0)
+        return self.rounds >= self.awaiting.get(trainer, 0)
 
     def read(self, name: str) -> Any:
         return self.ps.env[name]  # nothing changes it until every trainer has fetched
 
     def stats(self) -> dict[str, Any]:
-        return {"completed_steps": self.completed}
+        return {"completed_steps": self.completed, "rounds": self.rounds}
 
     def describe_wait(self) -> str:
         live = self.ps.members.live
         return (
-            f"step {self.completed + 1} has the barriers of trainers {sorted(self.arrived)} and waits for "
+            f"round {self.rounds + 1} (step {self.completed + 1}) has the barriers of trainers {sorted(self.arrived)} and waits for "
             f"{sorted(live - self.arrived)} (live {sorted(live)}; gradients from {sorted(self.sent)}; GETs "
-            f"await steps {dict(sorted(self.awaiting.items()))})"
+            f"await rounds {dict(sorted(self.awaiting.items()))})"
         )
 
     def _apply(self, grad: str) -> None:
@@ -246,7 +260,9 @@ class SyncStrategy(Strategy):
                     f"{', '.join(map(repr, unsent))}; those slices stay as they were (does every trainer "
                     "run the trainer program transpiled with this pserver's?)"
                 )
-        self.completed += 1  # (a step nobody brought gradients to changes nothing)
+        if self.applied:
+            self.completed += 1
+        self.rounds += 1  # (a round nobody brought gradients to changes nothing)
         self.arrived.clear()
         self.sent -= contributors
         self.senders.clear()

@@ -67,6 +67,8 @@ class TrainerClient:
         self._sums: dict[tuple, tuple[GradientSum, Communicate | None]] = {}
         self._communicator: Communicator | None = None
         self._barrier_endpoints: tuple[str, ...] = ()  # sync: the pservers a step's barrier goes to
+        self._paused = False  # told the pservers it pauses, and sent nothing since
+        self._steps_seen: dict[str, int] = {}  # per pserver: its steps done at this trainer's last idle round
         # The last values pulled by each recv: async recv_interval and the communicator reuse them
         self._downloaded: dict[tuple, list[Any]] = {}
 
@@ -94,6 +96,7 @@ class TrainerClient:
         that at most a step's worth of messages is ever unacknowledged."""
         self.settle()
         self.step += 1
+        self._paused = False  # what this step sends resumes it
 
     def end_step(self) -> None:
         """The step's program is done: what it still holds goes now (not waited for)."""
@@ -237,22 +240,42 @@ class TrainerClient:
 
     def pause(self) -> None:
         """Tell every pserver this trainer has no data for now: until it sends again, no
-        barrier waits for it (its next gradients resume it). What the communicator
-        holds goes first."""
+        barrier or SSP bound waits for it (its next step resumes it). What the
+        communicator holds goes first. Said once until the next step."""
+        if self._paused:
+            return
         if self._communicator is not None:
             self._communicator.drain()
         self._to_all(Kind.PAUSE, list(self._clients), self.trainer_id)
+        self._paused = True
 
-    def resume(self) -> None:
-        """A paused trainer has data again (sync mode): it rejoins every pserver at once,
-        with an empty SEND waited for, before its step sends anything. Rejoining by its
-        first gradient instead would make it live at the pserver its backward pass
-        reaches first while another counts a step without it, and pservers would then
-        pair different barriers into their steps, which can deadlock two trainers. This
-        narrows that window to the skew between two pservers' messages; it does not
-        close it (steps in lockstep, a waiting trainer sending empty barriers, would)."""
-        if self._barrier_endpoints:
-            self._to_all(Kind.SEND, list(self._clients), self.trainer_id)
+    @property
+    def in_lockstep(self) -> bool:
+        """Sync mode (a step of this trainer sent its barrier): a trainer waiting for data
+        keeps taking part in rounds (idle_round) rather than pausing."""
+        return bool(self._barrier_endpoints)
+
+    def idle_round(self) -> bool:
+        """Sync mode, no batch for now: take part in the next round with a barrier and
+        no gradients, waited for until the round is done. Returns whether another
+        trainer trained meanwhile (some pserver's step count moved), so the caller
+        knows whether to look for work again at once or to wait a little.
+
+        Pausing instead would change who a pserver waits for, and pservers learn of it
+        at different moments: one could count a round without this trainer while
+        another waits for it, pairing different barriers into their rounds, which can
+        deadlock two trainers. Rounds in lockstep keep every pserver's pairing equal."""
+        self.begin_step()
+        requests = {
+            ep: Message(Kind.SEND_BARRIER, trainer_id=self.trainer_id, step=self.step)
+            for ep in self._barrier_endpoints
+        }
+        replies = self._exchange(requests, self.trainer_id, wait=True)
+        moved = False
+        for endpoint, reply in replies.items():
+            moved |= self._steps_seen.get(endpoint) != reply.step  # (the first round: unknown, moved)
+            self._steps_seen[endpoint] = reply.step
+        return moved
 
     def settle(self) -> None:
         """Send what is held, and wait for the acknowledgements of what was sent without waiting."""

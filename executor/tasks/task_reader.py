@@ -9,13 +9,15 @@ this process over the same dataset, so local and distributed training read
 the same tasks in the same order.
 
 When the coordinator says "wait" (the pass ends once other trainers finish
-their tasks) the reader pauses this trainer at the pservers, so that no
-barrier waits for it, and asks again; an executor driven step by step by a
-RemoteExecutor raises NoDataYet instead, and skips the step without data
-(TrainerClient.skip_step), keeping in step with the other trainers. (A trainer
-resuming computes its first step on the parameters it last received, a few
-steps old: the staleness of one pass boundary.) When every pass is done it
-raises EOFException, and training loops end, as in Fluid.
+their tasks) the reader lets its trainer idle and asks again: in sync mode the
+trainer takes part in the others' rounds without gradients (TrainerClient.idle_round),
+otherwise it pauses at the pservers so that no SSP bound waits for it. An executor
+driven step by step by a RemoteExecutor raises NoDataYet instead, and skips the
+step without data (TrainerClient.skip_step), keeping in step with the other
+trainers. (A trainer getting a task again computes its first step on the
+parameters it last received, a few steps old: the staleness of one pass
+boundary.) When every pass is done it raises EOFException, and training loops
+end, as in Fluid.
 
 `Readers` holds a process's readers, one per READER variable: what the
 runtime gives the create_dataset_reader kernel.
@@ -94,7 +96,6 @@ class TaskReader:
         self._samples = 0
         self._loss_sum, self._loss_samples = 0.0, 0
         self._batch = 0  # samples in the last batch handed out
-        self._paused = False
         self._renewed = 0.0
         self.tasks_done = 0
         self.exhausted = False  # every pass is done (EOFException raised)
@@ -128,14 +129,9 @@ class TaskReader:
             if got == "wait":
                 if not self._readers.wait_for_tasks:  # the executor skips the step (skip_step)
                     raise NoDataYet("no task for this trainer now: the others are finishing the pass")
-                if not self._paused:
-                    self._readers.pause_trainer()
-                    self._paused = True
-                time.sleep(WAIT_POLL_S)
+                if not self._readers.idle_trainer():  # nothing moved meanwhile: no need to ask at once
+                    time.sleep(WAIT_POLL_S)
                 continue
-            if self._paused:
-                self._readers.resume_trainer()
-                self._paused = False
             self._lease, self._cursor, self._renewed = got, 0, time.monotonic()
             self._samples, self._loss_sum, self._loss_samples = 0, 0.0, 0
             self._data = self.dataset.read(got.shard, got.start, got.stop)
@@ -247,22 +243,21 @@ class Readers:
 
     Their tasks come from the coordinator at `coordinator` (an address) when there is
     one, through `connect(address, request)`; from a queue in this process otherwise.
-    `wait_for_tasks`: a reader with no task now waits for one (pausing its trainer with
-    `pause_trainer`, and resuming it with `resume_trainer` once a task came), unless a
-    client drives this executor step by step (an executor server): then it raises
-    NoDataYet and the step is skipped.
+    `wait_for_tasks`: a reader with no task now waits for one, calling `idle_trainer`
+    between its asks (which returns whether to ask again at once: the job moved on
+    meanwhile), unless a client drives this executor step by step (an executor
+    server): then it raises NoDataYet and the step is skipped.
     """
 
     def __init__(
         self,
         coordinator: str | None,
         connect: Callable[[str, dict[str, Any]], TaskSource],
-        pause_trainer: Callable[[], None],
-        resume_trainer: Callable[[], None] = lambda: None,
+        idle_trainer: Callable[[], bool],
     ):
         self.coordinator = coordinator
         self.wait_for_tasks = True
-        self.pause_trainer, self.resume_trainer = pause_trainer, resume_trainer
+        self.idle_trainer = idle_trainer
         self._connect = connect
         self._open: dict[str, TaskReader] = {}
 

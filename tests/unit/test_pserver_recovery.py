@@ -269,6 +269,56 @@ def test_a_trainer_skipping_a_sync_step_leaves_it_to_the_others():
     assert {s["completed_steps"] for s in job.final_stats.values()} == {4}
 
 
+def test_a_sync_trainer_waiting_for_a_task_keeps_in_step_with_empty_rounds():
+    """Sync mode, a reader with no task: the trainer takes part in every round with a
+    barrier and no gradients (it never pauses, so every pserver pairs the same barriers).
+    The other trainer's step waits for that barrier; a round it trained in is its batch
+    alone; a round nobody trained in is not a step, and says nothing moved."""
+    main, _loss, params, job, ((exe0, prog0), (exe1, prog1)), local = two_trainers()
+    mine, theirs = batches(4, size=4, seed=5), batches(1, size=4, seed=6)
+    idle = exe1.runtime.readers.idle_trainer  # what a reader calls when the coordinator says "wait"
+    try:
+        both = threading.Thread(target=exe1.run, args=(prog1,), kwargs={"feed": theirs[0]})
+        both.start()
+        exe0.run(prog0, feed=mine[0])
+        both.join(timeout=60)
+        assert not both.is_alive()
+        local.run(main, feed={k: np.concatenate([mine[0][k], theirs[0][k]]) for k in mine[0]})
+        for b in mine[1:]:
+            step = threading.Thread(target=exe0.run, args=(prog0,), kwargs={"feed": b})
+            step.start()
+            wait_for(lambda: _deferred(job, job.endpoints[0]) + _deferred(job, job.endpoints[1]) == 2)
+            assert step.is_alive()  # trainer 1 is live: its barrier is waited for, on both pservers
+            assert idle() is True  # the round was trainer 0's step
+            step.join(timeout=60)
+            assert not step.is_alive()
+            local.run(main, feed=b)
+        empty = threading.Thread(target=exe0.runtime.readers.idle_trainer)  # both wait for tasks
+        empty.start()
+        assert idle() is False
+        empty.join(timeout=60)
+        assert not empty.is_alive()
+        for name in params:
+            np.testing.assert_allclose(
+                exe0.scope[name], local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name
+            )
+        for endpoint in job.endpoints:
+            stats = job.server(endpoint).stats()
+            assert (stats["completed_steps"], stats["rounds"]) == (4, 5)
+            assert stats["trainers"] == {"0": "live", "1": "live"}  # nobody paused
+    finally:
+        exe0.close()
+        exe1.close()
+        job.join()
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def _deferred(job: Job, endpoint: str) -> int:
     return json.loads(job.observe(Kind.STATS, endpoint).text)["deferred_gets"]
 

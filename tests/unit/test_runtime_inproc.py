@@ -160,7 +160,7 @@ def test_a_local_reader_needs_no_trainer_and_no_zeromq_context(tmp_path):
     runtime = Runtime(RuntimeConfig())
     readers = runtime.readers
     assert readers.coordinator is None and readers.samples_read() is None
-    readers.pause_trainer()  # waiting for a task with no pservers to tell: nothing to do
+    assert readers.idle_trainer() is False  # waiting for a task with no pservers to tell: nothing to do
     assert runtime._trainer is None and runtime._context is None
     assert runtime.close() == []
 
