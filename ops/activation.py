@@ -7,6 +7,9 @@ square read X. floor is piecewise constant: it passes no gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import numpy as np
 from numba import njit
 
@@ -14,7 +17,7 @@ from fluidps.ir.infer import InferContext
 from fluidps.ops.defs import In, Out, backend_hints
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
-from fluidps.ops.lowering import LoweringOp
+from fluidps.ops.lowering import ElementForm, LoweringOp
 from fluidps.ops.registry import OpFamily
 
 family = OpFamily("activation")
@@ -42,7 +45,86 @@ for _type, _grad in _GRADS.items():
     family.define(_type, inputs=[In("X")], outputs=[Out("Out")], attrs=_ATTRS, grad=_grad, infer=_infer)
 
 
-# -- kernels: flat loops over contiguous arrays; results stored in the input's dtype -------
+# -- kernels: one element's function per op (what fused compiled loops call too, so both
+# give the same bits), mapped over contiguous arrays; results stored in the input's dtype.
+
+
+@njit(cache=True)
+def relu_element(x):
+    return x if x > 0 else 0
+
+
+@njit(cache=True)
+def relu_grad_element(out, dout):
+    return dout if out > 0 else 0
+
+
+@njit(cache=True)
+def sigmoid_element(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+@njit(cache=True)
+def sigmoid_grad_element(out, dout):
+    return dout * out * (1 - out)
+
+
+@njit(cache=True)
+def tanh_element(x):
+    return np.tanh(x)
+
+
+@njit(cache=True)
+def tanh_grad_element(out, dout):
+    return dout * (1 - out * out)
+
+
+@njit(cache=True)
+def exp_element(x):
+    return np.exp(x)
+
+
+@njit(cache=True)
+def exp_grad_element(out, dout):
+    return dout * out
+
+
+@njit(cache=True)
+def sqrt_element(x):
+    return np.sqrt(x)
+
+
+@njit(cache=True)
+def sqrt_grad_element(out, dout):
+    return dout * 0.5 / out
+
+
+@njit(cache=True)
+def log_element(x):
+    return np.log(x)
+
+
+@njit(cache=True)
+def log_grad_element(x, dout):
+    return dout / x
+
+
+@njit(cache=True)
+def square_element(x):
+    return x * x
+
+
+@njit(cache=True)
+def square_grad_element(x, dout):
+    return 2 * dout * x
+
+
+@njit(cache=True)
+def floor_element(x):
+    return np.floor(x)
+
+
+# (numba compiles a kernel per element function it calls: one loop each, written out)
 
 
 @njit(cache=True)
@@ -50,7 +132,7 @@ def _relu(x):
     out = np.empty_like(x)
     xs, os = x.reshape(-1), out.reshape(-1)
     for i in range(xs.size):
-        os[i] = xs[i] if xs[i] > 0 else 0
+        os[i] = relu_element(xs[i])
     return out
 
 
@@ -59,7 +141,7 @@ def _relu_grad(out, dout):
     dx = np.empty_like(dout)
     o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
     for i in range(o.size):
-        r[i] = d[i] if o[i] > 0 else 0
+        r[i] = relu_grad_element(o[i], d[i])
     return dx
 
 
@@ -68,7 +150,7 @@ def _sigmoid(x):
     out = np.empty_like(x)
     xs, os = x.reshape(-1), out.reshape(-1)
     for i in range(xs.size):
-        os[i] = 1.0 / (1.0 + np.exp(-xs[i]))
+        os[i] = sigmoid_element(xs[i])
     return out
 
 
@@ -77,7 +159,7 @@ def _sigmoid_grad(out, dout):
     dx = np.empty_like(dout)
     o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
     for i in range(o.size):
-        r[i] = d[i] * o[i] * (1 - o[i])
+        r[i] = sigmoid_grad_element(o[i], d[i])
     return dx
 
 
@@ -86,7 +168,7 @@ def _tanh(x):
     out = np.empty_like(x)
     xs, os = x.reshape(-1), out.reshape(-1)
     for i in range(xs.size):
-        os[i] = np.tanh(xs[i])
+        os[i] = tanh_element(xs[i])
     return out
 
 
@@ -95,7 +177,7 @@ def _tanh_grad(out, dout):
     dx = np.empty_like(dout)
     o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
     for i in range(o.size):
-        r[i] = d[i] * (1 - o[i] * o[i])
+        r[i] = tanh_grad_element(o[i], d[i])
     return dx
 
 
@@ -104,7 +186,7 @@ def _exp(x):
     out = np.empty_like(x)
     xs, os = x.reshape(-1), out.reshape(-1)
     for i in range(xs.size):
-        os[i] = np.exp(xs[i])
+        os[i] = exp_element(xs[i])
     return out
 
 
@@ -113,7 +195,7 @@ def _exp_grad(out, dout):
     dx = np.empty_like(dout)
     o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
     for i in range(o.size):
-        r[i] = d[i] * o[i]
+        r[i] = exp_grad_element(o[i], d[i])
     return dx
 
 
@@ -122,7 +204,7 @@ def _sqrt(x):
     out = np.empty_like(x)
     xs, os = x.reshape(-1), out.reshape(-1)
     for i in range(xs.size):
-        os[i] = np.sqrt(xs[i])
+        os[i] = sqrt_element(xs[i])
     return out
 
 
@@ -131,7 +213,7 @@ def _sqrt_grad(out, dout):
     dx = np.empty_like(dout)
     o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
     for i in range(o.size):
-        r[i] = d[i] * 0.5 / o[i]
+        r[i] = sqrt_grad_element(o[i], d[i])
     return dx
 
 
@@ -140,7 +222,7 @@ def _log(x):
     out = np.empty_like(x)
     xs, os = x.reshape(-1), out.reshape(-1)
     for i in range(xs.size):
-        os[i] = np.log(xs[i])
+        os[i] = log_element(xs[i])
     return out
 
 
@@ -149,7 +231,7 @@ def _log_grad(x, dout):
     dx = np.empty_like(dout)
     xs, d, r = x.reshape(-1), dout.reshape(-1), dx.reshape(-1)
     for i in range(xs.size):
-        r[i] = d[i] / xs[i]
+        r[i] = log_grad_element(xs[i], d[i])
     return dx
 
 
@@ -158,7 +240,7 @@ def _square(x):
     out = np.empty_like(x)
     xs, os = x.reshape(-1), out.reshape(-1)
     for i in range(xs.size):
-        os[i] = xs[i] * xs[i]
+        os[i] = square_element(xs[i])
     return out
 
 
@@ -167,7 +249,7 @@ def _square_grad(x, dout):
     dx = np.empty_like(dout)
     xs, d, r = x.reshape(-1), dout.reshape(-1), dx.reshape(-1)
     for i in range(xs.size):
-        r[i] = 2 * d[i] * xs[i]
+        r[i] = square_grad_element(xs[i], d[i])
     return dx
 
 
@@ -176,26 +258,34 @@ def _floor(x):
     out = np.empty_like(x)
     xs, os = x.reshape(-1), out.reshape(-1)
     for i in range(xs.size):
-        os[i] = np.floor(xs[i])
+        os[i] = floor_element(xs[i])
     return out
 
 
-# op type -> (forward, grad, slot the grad reads besides Out@GRAD)
+class _Activation(NamedTuple):
+    forward: Callable[..., Any]  # array kernels
+    grad: Callable[..., Any] | None
+    grad_reads: str | None  # the slot the grad reads besides Out@GRAD
+    element: Callable[..., Any]  # their element functions
+    grad_element: Callable[..., Any] | None
+
+
 _KERNELS = {
-    "relu": (_relu, _relu_grad, "Out"),
-    "sigmoid": (_sigmoid, _sigmoid_grad, "Out"),
-    "tanh": (_tanh, _tanh_grad, "Out"),
-    "exp": (_exp, _exp_grad, "Out"),
-    "sqrt": (_sqrt, _sqrt_grad, "Out"),
-    "log": (_log, _log_grad, "X"),
-    "square": (_square, _square_grad, "X"),
-    "floor": (_floor, None, None),
+    "relu": _Activation(_relu, _relu_grad, "Out", relu_element, relu_grad_element),
+    "sigmoid": _Activation(_sigmoid, _sigmoid_grad, "Out", sigmoid_element, sigmoid_grad_element),
+    "tanh": _Activation(_tanh, _tanh_grad, "Out", tanh_element, tanh_grad_element),
+    "exp": _Activation(_exp, _exp_grad, "Out", exp_element, exp_grad_element),
+    "sqrt": _Activation(_sqrt, _sqrt_grad, "Out", sqrt_element, sqrt_grad_element),
+    "log": _Activation(_log, _log_grad, "X", log_element, log_grad_element),
+    "square": _Activation(_square, _square_grad, "X", square_element, square_grad_element),
+    "floor": _Activation(_floor, None, None, floor_element, None),
 }
+_WITH_GRAD = [t for t, kernels in _KERNELS.items() if kernels.grad is not None]
 
 
 @family.kernel(*_KERNELS)
 def _forward_kernel(op: KernelOp) -> Runner:
-    fn = _KERNELS[op.type][0]
+    fn = _KERNELS[op.type].forward
     x_name, out_name = op.input("X"), op.output("Out")
 
     def run(env: Env) -> None:
@@ -204,9 +294,10 @@ def _forward_kernel(op: KernelOp) -> Runner:
     return run
 
 
-@family.kernel(*(t + "_grad" for t, (_, grad, _) in _KERNELS.items() if grad is not None))
+@family.kernel(*(t + "_grad" for t in _WITH_GRAD))
 def _grad_kernel(op: KernelOp) -> Runner:
-    _, fn, source = _KERNELS[op.type[: -len("_grad")]]
+    kernels = _KERNELS[op.type[: -len("_grad")]]
+    fn, source = kernels.grad, kernels.grad_reads
     src_name, dout_name, dx_name = op.input(source), op.input("Out@GRAD"), op.output("X@GRAD")
 
     def run(env: Env) -> None:
@@ -215,14 +306,24 @@ def _grad_kernel(op: KernelOp) -> Runner:
     return run
 
 
+for _type, _kernels in _KERNELS.items():
+    family.elementwise(_type, ElementForm(_kernels.element, ("X",), ("Out",)))
+    if _kernels.grad_element is not None:
+        family.elementwise(
+            _type + "_grad",
+            ElementForm(_kernels.grad_element, (_kernels.grad_reads, "Out@GRAD"), ("X@GRAD",)),
+        )
+
+
 @family.lowering(*_KERNELS)
 def _forward_lowering(op: LoweringOp) -> None:
     op.require_dense("X", "Out")
-    op.emit(f"{op.output('Out')} = {op.call(_KERNELS[op.type][0], op.input('X'))}")
+    op.emit(f"{op.output('Out')} = {op.call(_KERNELS[op.type].forward, op.input('X'))}")
 
 
-@family.lowering(*(t + "_grad" for t, (_, grad, _) in _KERNELS.items() if grad is not None))
+@family.lowering(*(t + "_grad" for t in _WITH_GRAD))
 def _grad_lowering(op: LoweringOp) -> None:
-    _, fn, source = _KERNELS[op.type[: -len("_grad")]]
+    kernels = _KERNELS[op.type[: -len("_grad")]]
+    fn, source = kernels.grad, kernels.grad_reads
     op.require_dense(source, "Out@GRAD", "X@GRAD")
     op.emit(f"{op.output('X@GRAD')} = {op.call(fn, op.input(source), op.input('Out@GRAD'))}")

@@ -17,7 +17,7 @@ from fluidps.ops.broadcast import align, reduce_to, sum_pre_post
 from fluidps.ops.defs import Compat, Float, In, Int, Out, Str, backend_hints
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner
-from fluidps.ops.lowering import LoweringOp, NotLowerable, dims, product, shape
+from fluidps.ops.lowering import ElementForm, LoweringOp, NotLowerable, Spread, dims, product, shape
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -249,6 +249,86 @@ class _Aligned:
         post = product(dims(x, range(self.start + self.ry, self.rx)))
         view = f"{full}.reshape(({pre}, {self.op.input('Y')}.size, {post}))"
         return f"{self.op.call(sum_pre_post, view)}.reshape({self.op.input('Y')}.shape)"
+
+    def spread(self) -> dict[str, Spread]:
+        """Y (and its gradient) as broadcast along X's other dimensions, if it is."""
+        if self.equal:
+            return {}
+        return {"Y": Spread(self.start, self.ry), "Y@GRAD": Spread(self.start, self.ry)}
+
+
+@njit(cache=True)
+def add_element(x, y):
+    return x + y
+
+
+@njit(cache=True)
+def sub_element(x, y):
+    return x - y
+
+
+@njit(cache=True)
+def mul_element(x, y):
+    return x * y
+
+
+@njit(cache=True)
+def div_element(x, y):
+    return x / y
+
+
+@njit(cache=True)
+def max_element(x, y):
+    return np.maximum(x, y)
+
+
+@njit(cache=True)
+def min_element(x, y):
+    return np.minimum(x, y)
+
+
+@njit(cache=True)
+def add_grad_element(dout):
+    return dout, dout
+
+
+@njit(cache=True)
+def sub_grad_element(dout):
+    return dout, -dout
+
+
+@njit(cache=True)
+def mul_grad_element(dout, x, y):
+    return dout * y, dout * x
+
+
+@njit(cache=True)
+def div_grad_element(dout, x, y):
+    return dout / y, -dout * x / (y * y)
+
+
+def _spread(op: LoweringOp) -> dict[str, Spread]:
+    return _Aligned(op).spread()
+
+
+# The same arithmetic as the array kernels above, element by element (pow, and the max /
+# min gradients, which multiply by booleans, are left out: numba's scalar types differ).
+for _type, _fn in {
+    "elementwise_add": add_element,
+    "elementwise_sub": sub_element,
+    "elementwise_mul": mul_element,
+    "elementwise_div": div_element,
+    "elementwise_max": max_element,
+    "elementwise_min": min_element,
+}.items():
+    family.elementwise(_type, ElementForm(_fn, ("X", "Y"), ("Out",), _spread))
+for _type, (_fn, _reads) in {
+    "elementwise_add": (add_grad_element, ("Out@GRAD",)),
+    "elementwise_sub": (sub_grad_element, ("Out@GRAD",)),
+    "elementwise_mul": (mul_grad_element, ("Out@GRAD", "X", "Y")),
+    "elementwise_div": (div_grad_element, ("Out@GRAD", "X", "Y")),
+}.items():
+    family.elementwise(_type + "_grad", ElementForm(_fn, _reads, ("X@GRAD", "Y@GRAD"), _spread))
 
 
 @family.lowering(*_FORWARD_FNS)

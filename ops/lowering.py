@@ -11,11 +11,18 @@ wanted) is decided while lowering: the generated code is only the per-step work.
 A lowering raises NotLowerable for a case it does not handle (a SelectedRows
 operand, an attribute value it has no code for): the op then runs interpreted,
 between compiled segments.
+
+An elementwise op may also register its `ElementForm`: the numba function of one
+element of each operand that its kernel maps over its arrays. The compiler fuses
+runs of such ops into one loop nest that calls those functions on scalars, so a
+value passed from one op to the next never becomes an array, and both ways of
+running give the same bits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fluidps.errors import ExecutionError
@@ -106,6 +113,10 @@ class LoweringOp:
         self._temps += 1
         return self._local(f"@{self.type}#{id(self)}#{self._temps}")
 
+    def variable(self, name: str) -> Any:
+        """The declared variable `name` of the op's block (NotLowerable if undeclared)."""
+        return self._var(name)
+
     def _input_var(self, slot: str) -> Any:
         return self._var(self._one([n for n in self.op.input(slot) if n != EMPTY_VAR_NAME], "input", slot))
 
@@ -137,3 +148,27 @@ def shape(parts: list[str]) -> str:
 def product(parts: list[str]) -> str:
     """The product of dimension expressions (1 for none)."""
     return " * ".join(parts) if parts else "1"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """An operand broadcast along the other dimensions of an elementwise op: its
+    dimensions are dimensions `start` .. `start + rank` of the op's output (a bias).
+    As an output, it is the sum over the others (the gradient of such an operand)."""
+
+    start: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class ElementForm:
+    """An op as a function of one element: `fn` (numba) maps an element of each of
+    `inputs` (slots) to the element of `outputs` (a tuple when several), as the op's
+    kernel does over whole arrays. `spread(op)` names the slots broadcast along the
+    others (Spread), raising NotLowerable for a broadcast it cannot state; None: every
+    operand has the output's shape."""
+
+    fn: Callable[..., Any]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    spread: Callable[[LoweringOp], dict[str, Spread]] | None = None

@@ -20,7 +20,7 @@ from fluidps.ir.program import Block
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops.grad import GradSpec, grad_schema
 from fluidps.ops.kernel import KernelBuilder, KernelOp, Runner
-from fluidps.ops.lowering import Lowering, LoweringOp, NotLowerable
+from fluidps.ops.lowering import ElementForm, Lowering, LoweringOp, NotLowerable
 from fluidps.ops.runtime_api import KernelRuntime
 
 # Common attributes the builder writes on every op; the others (name scopes,
@@ -38,6 +38,7 @@ class OpFamily:
         self.schemas: list[OpSchema] = []
         self.kernels: dict[str, KernelBuilder] = {}
         self.lowerings: dict[str, Lowering] = {}
+        self.elements: dict[str, ElementForm] = {}
 
     def kernel(self, *types: str) -> Callable[[KernelBuilder], KernelBuilder]:
         """Register a kernel builder for one or more op types."""
@@ -46,6 +47,11 @@ class OpFamily:
     def lowering(self, *types: str) -> Callable[[Lowering], Lowering]:
         """Register the compiled form of one or more op types (fluidps.ops.lowering)."""
         return self._registrar(self.lowerings, types, "lowerings")
+
+    def elementwise(self, type: str, form: ElementForm) -> None:
+        """Register how op `type` computes one element (fluidps.ops.lowering.ElementForm):
+        the compiler fuses runs of such ops into one loop. The op needs a lowering too."""
+        self._registrar(self.elements, (type,), "element forms")(form)
 
     def _registrar(self, table: dict[str, Any], types: tuple[str, ...], what: str) -> Callable[[Any], Any]:
         def register(fn: Any) -> Any:
@@ -93,6 +99,7 @@ class OpRegistry(Mapping[str, OpSchema]):
         schemas: dict[str, OpSchema] = {}
         kernels: dict[str, KernelBuilder] = {}
         lowerings: dict[str, Lowering] = {}
+        elements: dict[str, ElementForm] = {}
         for family in families:
             for schema in family.schemas:
                 if schema.type in schemas:
@@ -108,6 +115,12 @@ class OpRegistry(Mapping[str, OpSchema]):
                         f"op {op_type!r} needs one kernel and at most one lowering ({family.name})"
                     )
                 lowerings[op_type] = lowering
+            for op_type, form in family.elements.items():
+                if op_type in elements or op_type not in family.lowerings:
+                    raise ProgramError(
+                        f"op {op_type!r} needs one lowering and at most one element form ({family.name})"
+                    )
+                elements[op_type] = form
         for schema in list(schemas.values()):
             if isinstance(schema.grad, GradSpec) and schema.type + "_grad" not in schemas:
                 schemas[schema.type + "_grad"] = grad_schema(schema, schema.grad)
@@ -117,6 +130,7 @@ class OpRegistry(Mapping[str, OpSchema]):
             raise ProgramError(f"kernels for undefined ops: {sorted(unknown)}")
         self._kernels = MappingProxyType(kernels)
         self._lowerings = MappingProxyType(lowerings)
+        self._elements = MappingProxyType(elements)
 
     def __getitem__(self, type: str) -> OpSchema:
         return self._schemas[type]
@@ -138,6 +152,10 @@ class OpRegistry(Mapping[str, OpSchema]):
     def has_kernel(self, type: str) -> bool:
         return type in self._kernels
 
+    def has_lowering(self, type: str) -> bool:
+        """Whether `type` has a compiled form (which may still decline a configuration)."""
+        return type in self._lowerings
+
     def lower(
         self, op: Operator, local: Callable[[str], str], helper: Callable[[Callable[..., Any]], str]
     ) -> list[str]:
@@ -151,6 +169,15 @@ class OpRegistry(Mapping[str, OpSchema]):
         lowered = LoweringOp(op, schema, local, helper)
         lowering(lowered)
         return lowered.lines
+
+    def element_form(self, op: Operator) -> ElementForm | None:
+        """How `op` computes one element, when it is elementwise as configured (None
+        otherwise: it is lowered on its own)."""
+        form = self._elements.get(op.type)
+        if form is None or op.type not in self._lowerings:
+            return None
+        self._check_implemented(op, self.schema(op.type))
+        return form
 
     def build_kernel(self, op: Operator, runtime: KernelRuntime | None = None) -> Runner:
         """The runner of `op`: its kernel builder applied to the op. Kernels of ops that

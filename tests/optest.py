@@ -6,6 +6,10 @@ against central finite differences in float64, through the public Executor.
 
 Inputs map a slot to an array (or a list of arrays for duplicable slots).
 Float inputs are cast to the dtype under test; integer inputs are left alone.
+
+Every program with an op that has a compiled form (fluidps.ops.lowering) runs under
+the compiled executor too (each op a segment; forward and grad ops fused where they
+can be), which must give the interpreter's bits.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import numpy as np
 
 import fluidps
+from fluidps.executor.compiler import Compiler, ModuleCache, default_cache_dir
 from fluidps.ir.opschema import GradContext
 from fluidps.ir.types import EMPTY_VAR_NAME, GRAD_SUFFIX, VarType
 from fluidps.ops import REGISTRY
@@ -43,6 +48,26 @@ def cast_inputs(inputs: Inputs, dtype: str | None) -> dict[str, Any]:
         values = [_cast(v, dtype) for v in _as_list(value)]
         out[slot] = values if isinstance(value, (list, tuple)) else values[0]
     return out
+
+
+def compiled_agrees(
+    program: fluidps.Program, feed: Mapping[str, Any], names: Sequence[str], want: Sequence[Any]
+) -> None:
+    """The compiled executor's `names` after running `program` on `feed` equal `want`
+    (the interpreter's) bit for bit; nothing to check when no op has a compiled form."""
+    if not any(REGISTRY.has_lowering(op.type) for op in program.global_block().ops):
+        return
+    exe = fluidps.Executor(compile=Compiler(ModuleCache(default_cache_dir()), min_ops=1))
+    for _ in range(2):  # a block is compiled at its second run; fresh inputs each time (updates in place)
+        got = exe.run(program, feed={k: _copy(v) for k, v in feed.items()}, fetch_list=list(names))
+    for name, g, w in zip(names, got, want, strict=True):
+        np.testing.assert_array_equal(_dense(g), _dense(w), err_msg=f"{name}: compiled != interpreted")
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, SelectedRows):
+        return SelectedRows(value.rows.copy(), value.value.copy(), value.height)
+    return value.copy() if isinstance(value, np.ndarray) else value
 
 
 class OpProgram:
@@ -75,12 +100,22 @@ class OpProgram:
         self.op = REGISTRY.append_op(block, op_type, in_slots, self.out_slots, attrs)
         self.exe = fluidps.Executor()
 
-    def run(self, feed: Mapping[str, Any] | None = None, fetch: Sequence[str] | None = None) -> list[Any]:
+    def run(
+        self,
+        feed: Mapping[str, Any] | None = None,
+        fetch: Sequence[str] | None = None,
+        compiled: bool = False,
+    ) -> list[Any]:
+        """The fetched values; with `compiled`, checked against the compiled executor's."""
         names = list(fetch) if fetch is not None else [n for ns in self.out_slots.values() for n in ns]
-        return self.exe.run(self.program, feed=dict(feed or self.feed), fetch_list=names)
+        feed = dict(feed or self.feed)
+        got = self.exe.run(self.program, feed={k: _copy(v) for k, v in feed.items()}, fetch_list=names)
+        if compiled:
+            compiled_agrees(self.program, feed, names, got)
+        return got
 
     def outputs(self, feed: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        values = iter(self.run(feed))
+        values = iter(self.run(feed, compiled=True))
         return {slot: [next(values) for _ in names] for slot, names in self.out_slots.items()}
 
 
@@ -193,7 +228,7 @@ def check_grad(
     feed = dict(fwd.feed)
     feed.update({name + GRAD_SUFFIX: value for name, value in seeds.items()})
     flat_names = [n for slot in wrt for n in grad_names[slot]]
-    analytic = dict(zip(flat_names, fwd.exe.run(fwd.program, feed=feed, fetch_list=flat_names), strict=True))
+    analytic = dict(zip(flat_names, fwd.run(feed, flat_names, compiled=True), strict=True))
 
     # Numeric: perturb each input element, re-run the forward op alone.
     numeric_prog = OpProgram(op_type, cast, attrs, outputs)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fluidps.executor.compiler import fusion
 from fluidps.ir.operator import Operator
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops import REGISTRY
@@ -40,28 +41,46 @@ class _Names:
             self.locals[name] = f"v{len(self.locals)}"
         return self.locals[name]
 
+    def fresh(self) -> str:
+        """A new local for a value no variable names."""
+        return self.local(f"@{len(self.locals)}")
+
     def helper(self, fn: Callable[..., Any]) -> str:
         if fn not in self.helpers:
             self.helpers[fn] = f"h{len(self.helpers)}"
         return self.helpers[fn]
 
 
-def generate(ops: Sequence[Operator], needed_after: Callable[[str], bool]) -> SegmentSource:
+def generate(
+    ops: Sequence[Operator], needed_after: Callable[[str], bool], fuse: bool = True
+) -> SegmentSource:
     """The source of one segment of `ops`; `needed_after(name)` says whether a variable
-    the segment writes is read after it (by a later op, a fetch, or the scope).
+    the segment writes is read after it (by a later op, a fetch, or the scope). With
+    `fuse`, runs of elementwise ops become one loop each (fluidps.executor.compiler.fusion).
     Raises NotLowerable if one of the ops has no compiled form."""
     names = _Names()
     body: list[str] = []
     reads: list[str] = []
     written: set[str] = set()
-    for op in ops:
-        for name in op.input_arg_names:
-            if name != EMPTY_VAR_NAME and name not in written and name not in reads:
-                reads.append(name)
-                names.local(name)
-        body.append(f"    # {op.type}")
-        body += [f"    {line}" for line in REGISTRY.lower(op, names.local, names.helper)]
-        written.update(n for n in op.output_arg_names if n != EMPTY_VAR_NAME)
+    items = fusion.group(ops) if fuse else list(ops)
+    for k, item in enumerate(items):
+        for op in _ops_of(item):
+            for name in op.input_arg_names:
+                if name != EMPTY_VAR_NAME and name not in written and name not in reads:
+                    reads.append(name)
+                    names.local(name)
+            written.update(n for n in op.output_arg_names if n != EMPTY_VAR_NAME)
+        if isinstance(item, fusion.Run):
+            later = {n for rest in items[k + 1 :] for op in _ops_of(rest) for n in op.input_arg_names}
+            body.append(f"    # fused: {fusion.describe(item)}")
+            read_after = later.__contains__
+            lines = fusion.lower_run(
+                item, names.local, names.helper, names.fresh, lambda n, r=read_after: r(n) or needed_after(n)
+            )
+        else:
+            body.append(f"    # {item.type}")
+            lines = REGISTRY.lower(item, names.local, names.helper)
+        body += [f"    {line}" for line in lines]
     outputs = [n for n in names.locals if n in written and needed_after(n)]
     imports = []
     sources = []
@@ -90,3 +109,7 @@ def generate(ops: Sequence[Operator], needed_after: Callable[[str], bool]) -> Se
         ]
     )
     return SegmentSource(text, reads, outputs, sources)
+
+
+def _ops_of(item: fusion.Run | Operator) -> list[Operator]:
+    return [m.op for m in item.members] if isinstance(item, fusion.Run) else [item]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+from fluidps.executor.compiler import fusion
 from fluidps.executor.compiler.cache import ModuleCache
 from fluidps.executor.compiler.codegen import FUNCTION, generate
 from fluidps.ir.program import Block
-from fluidps.ir.types import EMPTY_VAR_NAME
+from fluidps.ir.types import EMPTY_VAR_NAME, to_numpy_dtype
 from fluidps.ops import REGISTRY
 from fluidps.ops.lowering import NotLowerable
 
@@ -47,8 +49,10 @@ def lowerable(block: Block) -> list[bool]:
 
 
 def explain(block: Block, min_ops: int = MIN_OPS) -> str:
-    """Which ops of `block` run compiled, in which segments, and why the others do not."""
+    """Which ops of `block` run compiled, in which segments (elementwise runs fused into
+    one loop in brackets, with the arrays they never store), and why the others do not."""
     reasons = why_not_lowered(block)
+    persistable = {n for n, v in block.vars.items() if v.persistable}
     segments = runs([r is None for r in reasons], stateful(block), min_ops)
     starts = dict(segments)
     covered = sum(stop - start for start, stop in segments)
@@ -57,8 +61,19 @@ def explain(block: Block, min_ops: int = MIN_OPS) -> str:
     while i < len(block.ops):
         if i in starts:
             stop = starts[i]
-            kinds = ", ".join(op.type for op in block.ops[i:stop])
-            lines.append(f"  ops #{i}..#{stop - 1}: one compiled call ({kinds})")
+            items = fusion.group(block.ops[i:stop])
+            kinds = ", ".join(
+                f"[{fusion.describe(x)}]" if isinstance(x, fusion.Run) else x.type for x in items
+            )
+            runs_ = [x for x in items if isinstance(x, fusion.Run)]
+            fused = ""
+            if runs_:
+                unstored = [n for run in runs_ for n in _unstored(block, run, persistable)]
+                fused = (
+                    f"; {sum(len(r.members) for r in runs_)} ops fused into {len(runs_)} loops, "
+                    f"{len(unstored)} arrays never stored ({_bytes(block, unstored)})"
+                )
+            lines.append(f"  ops #{i}..#{stop - 1}: one compiled call ({kinds}){fused}")
             i = stop
             continue
         why = reasons[i] or f"in a run shorter than {min_ops} ops"
@@ -95,12 +110,13 @@ def runs(lowered: list[bool], writes_state: list[bool], min_ops: int = MIN_OPS) 
 
 @dataclass(frozen=True)
 class Compiler:
-    """How an Executor compiles: where generated code is kept, and the fewest ops a
+    """How an Executor compiles: where generated code is kept, the fewest ops a
     segment has (a lone op gains little from a compiled call of its own; tests that
-    check one op's compiled form set 1)."""
+    check one op's compiled form set 1), and whether elementwise runs fuse."""
 
     cache: ModuleCache
     min_ops: int = MIN_OPS
+    fuse: bool = True  # elementwise runs as one loop each (fluidps.executor.compiler.fusion)
 
 
 def compile_block(block: Block, compiler: Compiler, keep: Collection[str] = ()) -> list[Segment]:
@@ -110,10 +126,31 @@ def compile_block(block: Block, compiler: Compiler, keep: Collection[str] = ()) 
     segments = []
     for start, stop in runs(lowerable(block), stateful(block), compiler.min_ops):
         later_reads = {n for op in block.ops[stop:] for n in op.input_arg_names if n != EMPTY_VAR_NAME}
-        source = generate(block.ops[start:stop], (later_reads | persistable | set(keep)).__contains__)
+        source = generate(
+            block.ops[start:stop], (later_reads | persistable | set(keep)).__contains__, compiler.fuse
+        )
         module = compiler.cache.load(source.text, source.helper_sources)
         in_place = [n for n in source.inputs if n in source.outputs and n in persistable]
         segments.append(
             Segment(start, stop, source.inputs, source.outputs, getattr(module, FUNCTION), in_place)
         )
     return segments
+
+
+def _unstored(block: Block, run: fusion.Run, persistable: set[str]) -> list[str]:
+    """What `run` never stores: what no later op reads (a fetch might: then it is stored)."""
+    last = max(block.ops.index(m.op) for m in run.members)
+    later = {n for op in block.ops[last + 1 :] for n in op.input_arg_names} | persistable
+    return run.unstored(later.__contains__)
+
+
+def _bytes(block: Block, names: list[str]) -> str:
+    """The bytes of `names` as declared: per batch row where a dimension is -1."""
+    total, per_row = 0, False
+    for name in names:
+        var = block.find_var(name)
+        if var is None or var.shape is None or var.dtype is None:
+            continue
+        per_row |= -1 in var.shape
+        total += to_numpy_dtype(var.dtype).itemsize * math.prod(d for d in var.shape if d != -1)
+    return f"{total:,} bytes{' per batch row' if per_row else ''}"

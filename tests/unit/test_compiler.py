@@ -52,21 +52,26 @@ def _batches(sizes, batch, count=4, seed=0):
 
 
 def _train(build, batches, steps, compiler):
+    """Train `steps` steps; per step the loss and every parameter's gradient (a gradient
+    one rounding off would not show in parameters an update barely moves)."""
     main, startup, loss = build()
     exe = fluidps.Executor(compile=compiler)
     exe.run(startup)
-    losses = [exe.run(main, feed=batches[i % len(batches)], fetch_list=[loss])[0] for i in range(steps)]
+    fetch = [loss.name] + [p.name + "@GRAD" for p in main.all_parameters()]
+    fetched = [exe.run(main, feed=batches[i % len(batches)], fetch_list=fetch) for i in range(steps)]
     params = {p.name: exe.scope[p.name].copy() for p in main.all_parameters()}
-    return losses, params, exe, main
+    return fetched, params, exe, main
 
 
 def _assert_same_training(build, batches, steps, cache):
-    want_losses, want_params, *_ = _train(build, batches, steps, None)
-    got_losses, got_params, exe, main = _train(build, batches, steps, Compiler(cache))
+    want_fetched, want_params, *_ = _train(build, batches, steps, None)
+    got_fetched, got_params, exe, main = _train(build, batches, steps, Compiler(cache))
     (prepared,) = exe._cache[main].values()
     assert prepared.runner.segments, "nothing was compiled"
-    for step, (got, want) in enumerate(zip(got_losses, want_losses, strict=True)):
-        np.testing.assert_array_equal(got, want, err_msg=f"loss of step {step}")
+    names = ["loss"] + [p.name + "@GRAD" for p in main.all_parameters()]
+    for step, (got, want) in enumerate(zip(got_fetched, want_fetched, strict=True)):
+        for name, g, w in zip(names, got, want, strict=True):
+            np.testing.assert_array_equal(g, w, err_msg=f"{name} of step {step}")
     for name, want in want_params.items():
         np.testing.assert_array_equal(got_params[name], want, err_msg=name)
 
@@ -129,13 +134,104 @@ def test_random_small_programs_compile_to_the_interpreter_s_results(cache, width
     _assert_same_training(lambda: _classifier(sizes, act, opt), _batches(sizes, batch), 3, cache)
 
 
+def _chain(ops, middle=True):
+    """A 3-D input through a chain of elementwise ops: biases broadcast along the middle
+    dimension (loops before, along and after it) or the last, and full operands; then a
+    dense layer and a loss, trained with SGD so that every gradient is used."""
+
+    def build():
+        main, startup = fluidps.Program(), fluidps.Program()
+        startup.random_seed = 4
+        with fluidps.program_guard(main, startup):
+            x = layers.data("x", [3, 4])
+            y = layers.data("y", [1], dtype="int64")
+            init = fluidps.initializer.Uniform(0.5, 1.5)
+            h = x
+            for i, name in enumerate(ops):
+                if name.startswith("elementwise"):
+                    shape, axis = ([3], 1) if middle and i % 2 == 0 else ([4], -1)
+                    w = layers.create_parameter(shape, "float32", default_initializer=init)
+                    h = getattr(layers, name)(h, w, axis=axis)
+                elif name == "full":
+                    h = layers.elementwise_mul(h, layers.sigmoid(x))  # a full operand computed apart
+                else:
+                    h = getattr(layers, name)(h)
+            loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 5, num_flatten_dims=1), y))
+            optimizer.SGD(0.05).minimize(loss)
+        return main, startup, loss
+
+    return build
+
+
+def _chain_batches(batch, count=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {"x": rng.uniform(0.2, 1.0, (batch, 3, 4)).astype(np.float32), "y": rng.integers(0, 5, (batch, 1))}
+        for _ in range(count)
+    ]
+
+
+@pytest.mark.parametrize(
+    "ops, middle",
+    [
+        (["elementwise_add", "tanh", "elementwise_mul", "sigmoid"], True),
+        (["elementwise_div", "exp", "elementwise_sub", "square", "sqrt"], True),
+        (["elementwise_mul", "relu", "full", "elementwise_max", "log"], False),
+        (["square", "elementwise_min", "elementwise_add", "tanh"], False),
+    ],
+)
+def test_fused_elementwise_chains_give_the_interpreter_s_bits(cache, ops, middle):
+    build = _chain(ops, middle)
+    main, _, _ = build()
+    plan = fluidps.Executor(compile=Compiler(cache)).explain(main)
+    assert "ops fused into" in plan and "_grad+" in plan  # forward and backward runs fused
+    _assert_same_training(build, _chain_batches(4) + _chain_batches(1, seed=1), 6, cache)
+
+
+def test_a_run_whose_operands_do_not_line_up_at_run_time_runs_interpreted(cache):
+    """Declared alike, fed differently: Y of one row is broadcast by the interpreter. The
+    fused loop's check refuses it (numba does no bounds checks) and the interpreter
+    computes the step, as it would have."""
+
+    def build():
+        main, startup = fluidps.Program(), fluidps.Program()
+        with fluidps.program_guard(main, startup):
+            a, b = layers.data("a", [4]), layers.data("b", [4])
+            out = layers.tanh(layers.relu(layers.elementwise_add(a, b)))
+        return main, startup, out
+
+    def run(compiler):
+        main, startup, out = build()
+        exe = fluidps.Executor(compile=compiler)
+        exe.run(startup)
+        feeds = [(3, 3), (3, 3), (3, 1)]  # compiled at the second run; the third broadcasts b
+        rng = np.random.default_rng(2)
+        return [
+            exe.run(
+                main,
+                feed={
+                    "a": rng.normal(size=(n, 4)).astype(np.float32),
+                    "b": rng.normal(size=(m, 4)).astype(np.float32),
+                },
+                fetch_list=[out],
+            )[0]
+            for n, m in feeds
+        ]
+
+    for got, want in zip(run(Compiler(cache)), run(None), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_explain_names_the_segments_and_why_other_ops_run_interpreted():
     main, _, _ = _classifier([8, 16, 4])
     with fluidps.program_guard(main):
         layers.accuracy(layers.softmax(main.global_block().var("fc_1.tmp_1")), main.global_block().var("y"))
     text = fluidps.Executor(compile=True).explain(main)
     assert text.startswith(f"block 0: {len(main.global_block().ops)} ops, ")
-    assert "one compiled call (mul, elementwise_add, relu, mul" in text
+    assert "one compiled call (mul, [elementwise_add+relu], mul" in text
+    assert "[relu_grad+elementwise_add_grad], mul_grad" in text
+    # the pre-activation (16 floats a row) and its gradient are passed along as scalars
+    assert "4 ops fused into 2 loops, 2 arrays never stored (128 bytes per batch row)" in text
     assert "op #" in text and "(top_k): interpreted: op 'top_k' has no lowering" in text
     assert "one compiled call (sgd, sgd, sgd, sgd)" in text  # the updates: a segment of their own
 
