@@ -317,12 +317,14 @@ for _type, _kernels in _KERNELS.items():
 
 @family.lowering(*_KERNELS)
 def _forward_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     op.require_dense("X", "Out")
     op.emit(f"{op.output('Out')} = {op.call(_KERNELS[op.type].forward, op.input('X'))}")
 
 
 @family.lowering(*(t + "_grad" for t in _WITH_GRAD))
 def _grad_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     kernels = _KERNELS[op.type[: -len("_grad")]]
     fn, source = kernels.grad, kernels.grad_reads
     op.require_dense(source, "Out@GRAD", "X@GRAD")

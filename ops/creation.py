@@ -176,6 +176,7 @@ def _fill_zeros_like_kernel(op: KernelOp) -> Runner:
 
 @family.lowering("fill_constant")
 def _fill_constant_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     dtype = to_numpy_dtype(VarType(op.attr("dtype")))
     if dtype.kind not in "fiu":
         raise NotLowerable(f"fill_constant of {dtype}")

@@ -333,6 +333,7 @@ for _type, (_fn, _reads) in {
 
 @family.lowering(*_FORWARD_FNS)
 def _forward_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     aligned = _Aligned(op)
     op.emit(f"{op.output('Out')} = {op.call(_FORWARD_FNS[op.type], op.input('X'), aligned.y())}")
 

@@ -51,6 +51,7 @@ class LoweringOp:
         self._local = local
         self._helper = helper
         self.lines: list[str] = []
+        self.fresh = False  # every output is a new array of its own (new_arrays)
         self._temps = 0
 
     # -- the op --------------------------------------------------------------------------
@@ -107,6 +108,13 @@ class LoweringOp:
 
     def emit(self, line: str) -> None:
         self.lines.append(line)
+
+    def new_arrays(self) -> None:
+        """Say that each output this op writes is a newly allocated array (or a view of
+        one) that shares no memory with its inputs or its other outputs: once dead, the
+        compiler may give it to a later value (fluidps.executor.compiler.buffers). Ops
+        that do not say so are taken to share memory with their inputs."""
+        self.fresh = True
 
     def temp(self) -> str:
         """A fresh local for an intermediate value (numba types each local once)."""

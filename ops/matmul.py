@@ -160,6 +160,7 @@ def _matrix_expr(op: LoweringOp, slot: str, num_col_dims: int) -> str:
 
 @family.lowering("mul")
 def _mul_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     op.require_dense("X", "Y", "Out")
     xn, yn = op.attr("x_num_col_dims"), op.attr("y_num_col_dims")
     x, y = op.input("X"), op.input("Y")
@@ -170,6 +171,7 @@ def _mul_lowering(op: LoweringOp) -> None:
 
 @family.lowering("mul_grad")
 def _mul_grad_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     op.require_dense("X", "Y", "Out@GRAD", "X@GRAD", "Y@GRAD")
     xn, yn = op.attr("x_num_col_dims"), op.attr("y_num_col_dims")
     x, y, dout = op.input("X"), op.input("Y"), op.input("Out@GRAD")

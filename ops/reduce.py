@@ -191,6 +191,7 @@ def _reduce_grad_kernel(op: KernelOp) -> Runner:
 
 @family.lowering("mean")
 def _mean_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     op.require_dense("X", "Out")
     x = op.input("X")
     op.emit(
@@ -200,6 +201,7 @@ def _mean_lowering(op: LoweringOp) -> None:
 
 @family.lowering("mean_grad")
 def _mean_grad_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     op.require_dense("X", "Out@GRAD", "X@GRAD")
     x, dout = op.input("X"), op.input("Out@GRAD")
     grad = op.call(_expand, f"{dout}.reshape((1, 1))", f"{x}.size", f"1.0 / {x}.size")

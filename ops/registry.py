@@ -158,9 +158,9 @@ class OpRegistry(Mapping[str, OpSchema]):
 
     def lower(
         self, op: Operator, local: Callable[[str], str], helper: Callable[[Callable[..., Any]], str]
-    ) -> list[str]:
-        """The statements computing `op` in a compiled block (fluidps.ops.lowering);
-        raises NotLowerable when it has none (it then runs interpreted)."""
+    ) -> LoweringOp:
+        """`op` lowered for a compiled block (fluidps.ops.lowering): its statements in
+        `.lines`; raises NotLowerable when it has none (it then runs interpreted)."""
         lowering = self._lowerings.get(op.type)
         if lowering is None:
             raise NotLowerable(f"op {op.type!r} has no lowering")
@@ -168,7 +168,7 @@ class OpRegistry(Mapping[str, OpSchema]):
         self._check_implemented(op, schema)
         lowered = LoweringOp(op, schema, local, helper)
         lowering(lowered)
-        return lowered.lines
+        return lowered
 
     def element_form(self, op: Operator) -> ElementForm | None:
         """How `op` computes one element, when it is elementwise as configured (None

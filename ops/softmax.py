@@ -488,6 +488,7 @@ class _Lowered:
 
 @family.lowering("softmax_with_cross_entropy")
 def _softmax_ce_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     op.require_dense("Logits", "Label", "Softmax", "Loss")
     lay = _Lowered(op, "Logits")
     sm, loss = op.temp(), op.temp()
@@ -501,6 +502,7 @@ def _softmax_ce_lowering(op: LoweringOp) -> None:
 
 @family.lowering("softmax_with_cross_entropy_grad")
 def _softmax_ce_grad_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
     op.require_dense("Label", "Softmax", "Loss@GRAD", "Logits@GRAD")
     lay = _Lowered(op, "Softmax")
     grad = op.call(

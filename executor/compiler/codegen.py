@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fluidps.executor.compiler import fusion
+from fluidps.executor.compiler import buffers, fusion
 from fluidps.ir.operator import Operator
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops import REGISTRY
+from fluidps.ops.lowering import LoweringOp
 
 FUNCTION = "segment"
 
@@ -51,35 +52,83 @@ class _Names:
         return self.helpers[fn]
 
 
-def generate(
-    ops: Sequence[Operator], needed_after: Callable[[str], bool], fuse: bool = True
-) -> SegmentSource:
-    """The source of one segment of `ops`; `needed_after(name)` says whether a variable
-    the segment writes is read after it (by a later op, a fetch, or the scope). With
-    `fuse`, runs of elementwise ops become one loop each (fluidps.executor.compiler.fusion).
-    Raises NotLowerable if one of the ops has no compiled form."""
-    names = _Names()
-    body: list[str] = []
+@dataclass
+class Layout:
+    """A segment planned: its items (ops, fused runs), its inputs, its single ops lowered,
+    the arrays its runs take over, and what each run reads after it."""
+
+    items: list[fusion.Run | Operator]
+    reads: list[str]
+    written: set[str]
+    single: dict[int, LoweringOp]
+    reuses: dict[int, dict[str, buffers.Reuse]]
+    needed_after: Callable[[str], bool]
+
+    def read_after(self, k: int) -> Callable[[str], bool]:
+        """Whether a variable is read after item k: by a later item, or after the segment."""
+        later = {n for rest in self.items[k + 1 :] for op in fusion.ops_of(rest) for n in op.input_arg_names}
+        return lambda n: n in later or self.needed_after(n)
+
+    def unstored(self) -> list[str]:
+        """The variables fused runs pass along as scalars, never as arrays."""
+        return [
+            n
+            for k, item in enumerate(self.items)
+            if isinstance(item, fusion.Run)
+            for n in item.unstored(self.read_after(k))
+        ]
+
+
+def layout(
+    ops: Sequence[Operator],
+    needed_after: Callable[[str], bool],
+    fuse: bool = True,
+    names: _Names | None = None,
+) -> Layout:
+    """Plan a segment of `ops` (see generate). Raises NotLowerable if an op has no compiled form."""
+    names = names or _Names()
     reads: list[str] = []
     written: set[str] = set()
     items = fusion.group(ops) if fuse else list(ops)
-    for k, item in enumerate(items):
-        for op in _ops_of(item):
+    for item in items:
+        for op in fusion.ops_of(item):
             for name in op.input_arg_names:
                 if name != EMPTY_VAR_NAME and name not in written and name not in reads:
                     reads.append(name)
                     names.local(name)
             written.update(n for n in op.output_arg_names if n != EMPTY_VAR_NAME)
+    # Single ops first: whether their outputs are new arrays decides which arrays runs may reuse.
+    single = {
+        k: REGISTRY.lower(item, names.local, names.helper)
+        for k, item in enumerate(items)
+        if not isinstance(item, fusion.Run)
+    }
+    fresh = [k not in single or single[k].fresh for k in range(len(items))]
+    reuses = buffers.plan(items, fresh, set(reads), needed_after)
+    return Layout(items, reads, written, single, reuses, needed_after)
+
+
+def generate(
+    ops: Sequence[Operator], needed_after: Callable[[str], bool], fuse: bool = True
+) -> SegmentSource:
+    """The source of one segment of `ops`; `needed_after(name)` says whether a variable
+    the segment writes is read after it (by a later op, a fetch, or the scope). With
+    `fuse`, runs of elementwise ops become one loop each (fluidps.executor.compiler.fusion),
+    storing their outputs in arrays dead by then where they can (.buffers).
+    Raises NotLowerable if one of the ops has no compiled form."""
+    names = _Names()
+    plan = layout(ops, needed_after, fuse, names)
+    items, reads, written = plan.items, plan.reads, plan.written
+    body: list[str] = []
+    for k, item in enumerate(items):
         if isinstance(item, fusion.Run):
-            later = {n for rest in items[k + 1 :] for op in _ops_of(rest) for n in op.input_arg_names}
             body.append(f"    # fused: {fusion.describe(item)}")
-            read_after = later.__contains__
             lines = fusion.lower_run(
-                item, names.local, names.helper, names.fresh, lambda n, r=read_after: r(n) or needed_after(n)
+                item, names.local, names.helper, names.fresh, plan.read_after(k), plan.reuses.get(k, {})
             )
         else:
             body.append(f"    # {item.type}")
-            lines = REGISTRY.lower(item, names.local, names.helper)
+            lines = plan.single[k].lines
         body += [f"    {line}" for line in lines]
     outputs = [n for n in names.locals if n in written and needed_after(n)]
     imports = []
@@ -109,7 +158,3 @@ def generate(
         ]
     )
     return SegmentSource(text, reads, outputs, sources)
-
-
-def _ops_of(item: fusion.Run | Operator) -> list[Operator]:
-    return [m.op for m in item.members] if isinstance(item, fusion.Run) else [item]

@@ -20,8 +20,9 @@ interpreter reruns the segment and says which op and shapes do not fit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from fluidps.ir.operator import Operator
@@ -122,6 +123,39 @@ class Run:
     def written_before(self, name: str, k: int) -> bool:
         return any(name == n for m in self.members[:k] for _, n in m.writes)
 
+    def operands(self) -> list[tuple[int, str, str]]:
+        """(member, slot, variable) of what the run reads from outside it (every input
+        slot: a gradient op's X and Y give shapes even when its element function does
+        not read them)."""
+        return [
+            (k, slot, name)
+            for k, member in enumerate(self.members)
+            for slot, name in member.all_inputs()
+            if not self.written_before(name, k)
+        ]
+
+    def spread_operands(self) -> set[str]:
+        return {name for k, slot, name in self.operands() if slot in self.members[k].spread}
+
+    def full_operands(self) -> list[str]:
+        spread = self.spread_operands()
+        return list(dict.fromkeys(name for _, _, name in self.operands() if name not in spread))
+
+    def last_reader(self, name: str) -> int:
+        """The last member that takes `name` from outside the run."""
+        return max(k for k, _, n in self.operands() if n == name)
+
+    def stored_full(self, read_after: Callable[[str], bool]) -> list[tuple[int, str, Any]]:
+        """(member, variable, its declaration) of each array the run stores whole (the
+        last value of a variable read after it)."""
+        unstored = set(self.unstored(read_after))
+        return [
+            (k, name, member.op.block.find_var(name))
+            for k, member in enumerate(self.members)
+            for slot, name in member.writes
+            if self.written[name] == k and name not in unstored and slot not in member.spread
+        ]
+
 
 # What an op needs to join a run, one rule a line: an op breaking one starts a new run.
 JOIN_RULES: tuple[tuple[str, Callable[[Run, Elementwise], bool]], ...] = (
@@ -171,9 +205,11 @@ def lower_run(
     helper: Callable[[Callable[..., Any]], str],
     fresh: Callable[[], str],
     read_after: Callable[[str], bool],
+    reuse: Mapping[str, Any] = MappingProxyType({}),
 ) -> list[str]:
     """The statements of one fused loop. `fresh()` names a new local; `read_after(name)`
-    says whether a variable is read after the run (by a later op, a fetch, the scope)."""
+    says whether a variable is read after the run (by a later op, a fetch, the scope);
+    `reuse`: per output stored, the dead array it takes (fluidps.executor.compiler.buffers)."""
     first = run.members[0]
     domain = local(dict(first.reads)[next(s for s in first.form.inputs if s not in first.spread)])
     spread = run.spread
@@ -240,7 +276,14 @@ def lower_run(
                 results.append(f"{local(name)} = {buffer}.reshape({operand}.shape)")
                 stores[(k, name)] = buffer
             else:
-                lines.append(f"{buffer} = np.empty({domain}.shape, np.{dtype})")
+                new = f"np.empty({domain}.shape, np.{dtype})"
+                if (given := reuse.get(name)) is None:
+                    lines.append(f"{buffer} = {new}")
+                elif given.checked:  # an operand of the run: its shape is the loop's
+                    lines.append(f"{buffer} = {local(given.donor)}  # {given.donor!r} is dead: its array")
+                else:
+                    donor = local(given.donor)
+                    lines.append(f"{buffer} = {donor} if {donor}.shape == {domain}.shape else {new}")
                 results.append(f"{local(name)} = {buffer}")
                 stores[(k, name)] = view = fresh()
                 lines.append(f"{view} = {buffer}.reshape({full_view})")
@@ -277,6 +320,11 @@ def lower_run(
 
 def describe(run: Run) -> str:
     return "+".join(m.op.type for m in run.members)
+
+
+def ops_of(item: Run | Operator) -> list[Operator]:
+    """The ops of a run, or the one op."""
+    return [m.op for m in item.members] if isinstance(item, Run) else [item]
 
 
 def _dtype(member: Elementwise, name: str) -> str:

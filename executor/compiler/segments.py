@@ -9,7 +9,7 @@ from typing import Any
 
 from fluidps.executor.compiler import fusion
 from fluidps.executor.compiler.cache import ModuleCache
-from fluidps.executor.compiler.codegen import FUNCTION, generate
+from fluidps.executor.compiler.codegen import FUNCTION, generate, layout
 from fluidps.ir.program import Block
 from fluidps.ir.types import EMPTY_VAR_NAME, to_numpy_dtype
 from fluidps.ops import REGISTRY
@@ -50,7 +50,8 @@ def lowerable(block: Block) -> list[bool]:
 
 def explain(block: Block, min_ops: int = MIN_OPS) -> str:
     """Which ops of `block` run compiled, in which segments (elementwise runs fused into
-    one loop in brackets, with the arrays they never store), and why the others do not."""
+    one loop in brackets, with the arrays they never store and those they store in arrays
+    dead by then), and why the others do not. (A fetched variable is stored too.)"""
     reasons = why_not_lowered(block)
     persistable = {n for n, v in block.vars.items() if v.persistable}
     segments = runs([r is None for r in reasons], stateful(block), min_ops)
@@ -61,17 +62,20 @@ def explain(block: Block, min_ops: int = MIN_OPS) -> str:
     while i < len(block.ops):
         if i in starts:
             stop = starts[i]
-            items = fusion.group(block.ops[i:stop])
+            later = {n for op in block.ops[stop:] for n in op.input_arg_names}
+            plan = layout(block.ops[i:stop], lambda n, r=later: n in r or n in persistable)
+            items = plan.items
             kinds = ", ".join(
                 f"[{fusion.describe(x)}]" if isinstance(x, fusion.Run) else x.type for x in items
             )
-            runs_ = [x for x in items if isinstance(x, fusion.Run)]
             fused = ""
-            if runs_:
-                unstored = [n for run in runs_ for n in _unstored(block, run, persistable)]
+            if runs_ := [x for x in items if isinstance(x, fusion.Run)]:
+                unstored = plan.unstored()
+                reused = [r.output for reuses in plan.reuses.values() for r in reuses.values()]
                 fused = (
                     f"; {sum(len(r.members) for r in runs_)} ops fused into {len(runs_)} loops, "
-                    f"{len(unstored)} arrays never stored ({_bytes(block, unstored)})"
+                    f"{len(unstored)} arrays never stored ({_bytes(block, unstored)}), "
+                    f"{len(reused)} stored in dead arrays ({_bytes(block, reused)})"
                 )
             lines.append(f"  ops #{i}..#{stop - 1}: one compiled call ({kinds}){fused}")
             i = stop
@@ -135,13 +139,6 @@ def compile_block(block: Block, compiler: Compiler, keep: Collection[str] = ()) 
             Segment(start, stop, source.inputs, source.outputs, getattr(module, FUNCTION), in_place)
         )
     return segments
-
-
-def _unstored(block: Block, run: fusion.Run, persistable: set[str]) -> list[str]:
-    """What `run` never stores: what no later op reads (a fetch might: then it is stored)."""
-    last = max(block.ops.index(m.op) for m in run.members)
-    later = {n for op in block.ops[last + 1 :] for n in op.input_arg_names} | persistable
-    return run.unstored(later.__contains__)
 
 
 def _bytes(block: Block, names: list[str]) -> str:

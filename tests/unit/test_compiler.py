@@ -222,6 +222,27 @@ def test_a_run_whose_operands_do_not_line_up_at_run_time_runs_interpreted(cache)
         np.testing.assert_array_equal(got, want)
 
 
+def test_an_array_fetched_or_read_later_is_never_overwritten(cache):
+    """The backward run of the hidden layer stores its gradient over the layer's
+    activations, dead by then; fetched, they are kept, and hold what the interpreter's do."""
+    sizes = [6, 8, 3]
+    batches = _batches(sizes, 5)
+
+    def fetch_hidden(compiler):
+        main, startup, loss = _classifier(sizes)
+        exe = fluidps.Executor(compile=compiler)
+        exe.run(startup)
+        wanted = [loss.name, "fc_0.tmp_2", "fc_0.tmp_0@GRAD"]
+        return [exe.run(main, feed=batches[i % 4], fetch_list=wanted) for i in range(3)], exe, main
+
+    want, _, _ = fetch_hidden(None)
+    got, exe, main = fetch_hidden(Compiler(cache))
+    assert "1 stored in dead arrays" in exe.explain(main)  # without the fetch, it would be
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        for name, a, b in zip(["loss", "activations", "gradient"], g, w, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} of step {step}")
+
+
 def test_explain_names_the_segments_and_why_other_ops_run_interpreted():
     main, _, _ = _classifier([8, 16, 4])
     with fluidps.program_guard(main):
@@ -231,7 +252,9 @@ def test_explain_names_the_segments_and_why_other_ops_run_interpreted():
     assert "one compiled call (mul, [elementwise_add+relu], mul" in text
     assert "[relu_grad+elementwise_add_grad], mul_grad" in text
     # the pre-activation (16 floats a row) and its gradient are passed along as scalars
-    assert "4 ops fused into 2 loops, 2 arrays never stored (128 bytes per batch row)" in text
+    # ... and the hidden layer's gradient is written over its activations, dead by then
+    assert "4 ops fused into 2 loops, 2 arrays never stored (128 bytes per batch row), " in text
+    assert "1 stored in dead arrays (64 bytes per batch row)" in text
     assert "op #" in text and "(top_k): interpreted: op 'top_k' has no lowering" in text
     assert "one compiled call (sgd, sgd, sgd, sgd)" in text  # the updates: a segment of their own
 
