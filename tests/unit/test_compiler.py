@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import fluidps
 from fluidps import layers, optimizer
 from fluidps.executor.compiler import Compiler, ModuleCache
+from fluidps.ops.selected_rows import SelectedRows
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,11 @@ def _train(build, batches, steps, compiler):
     return fetched, params, exe, main
 
 
+def _dense(value):
+    """A sparse gradient (SelectedRows) as the dense one it stands for."""
+    return value.to_dense() if isinstance(value, SelectedRows) else value
+
+
 def _assert_same_training(build, batches, steps, cache):
     want_fetched, want_params, *_ = _train(build, batches, steps, None)
     got_fetched, got_params, exe, main = _train(build, batches, steps, Compiler(cache))
@@ -71,7 +77,7 @@ def _assert_same_training(build, batches, steps, cache):
     names = ["loss"] + [p.name + "@GRAD" for p in main.all_parameters()]
     for step, (got, want) in enumerate(zip(got_fetched, want_fetched, strict=True)):
         for name, g, w in zip(names, got, want, strict=True):
-            np.testing.assert_array_equal(g, w, err_msg=f"{name} of step {step}")
+            np.testing.assert_array_equal(_dense(g), _dense(w), err_msg=f"{name} of step {step}")
     for name, want in want_params.items():
         np.testing.assert_array_equal(got_params[name], want, err_msg=name)
 
@@ -132,6 +138,46 @@ def test_each_elementwise_op_and_its_gradient_compile_to_the_interpreter_s_resul
 def test_random_small_programs_compile_to_the_interpreter_s_results(cache, widths, act, opt, batch):
     sizes = [5, *widths, 3]
     _assert_same_training(lambda: _classifier(sizes, act, opt), _batches(sizes, batch), 3, cache)
+
+
+def _embedding_classifier(vocab, dim, widths, act, opt, sparse):
+    """Ids through an embedding (its gradient sparse or dense), then an MLP."""
+
+    def build():
+        main, startup = fluidps.Program(), fluidps.Program()
+        startup.random_seed = 2
+        with fluidps.program_guard(main, startup):
+            ids = layers.data("ids", [1], dtype="int64")
+            y = layers.data("y", [1], dtype="int64")
+            h = layers.embedding(ids, [vocab, dim], is_sparse=sparse)
+            for width in widths:
+                h = layers.fc(h, width, act=act)
+            loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 3), y))
+            (optimizer.Adam(0.01) if opt == "adam" else optimizer.SGD(0.1)).minimize(loss)
+        return main, startup, loss
+
+    return build
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    vocab=st.integers(2, 30),
+    dim=st.integers(1, 6),
+    widths=st.lists(st.integers(1, 8), min_size=0, max_size=2),
+    act=st.sampled_from(["relu", "tanh", "sigmoid"]),
+    opt=st.sampled_from(["sgd", "adam"]),
+    sparse=st.booleans(),
+    batch=st.integers(1, 7),
+)
+def test_random_embedding_programs_compile_to_the_interpreter_s_results(
+    cache, vocab, dim, widths, act, opt, sparse, batch
+):
+    """The lookup and its (sparse) gradient and update run interpreted between segments."""
+    rng = np.random.default_rng(vocab * 31 + batch)
+    batches = [
+        {"ids": rng.integers(0, vocab, (batch, 1)), "y": rng.integers(0, 3, (batch, 1))} for _ in range(3)
+    ]
+    _assert_same_training(_embedding_classifier(vocab, dim, widths, act, opt, sparse), batches, 3, cache)
 
 
 def _chain(ops, middle=True):
