@@ -3,7 +3,7 @@
     python -m bench.local [--steps 300] [--repeats 3] [--ctr-batch 512] [--ctr-steps N]
                           [--ctr-vocab 1000000] [--no-torch] [--no-paddle]
                           [--sparse-table-rows N] [--sparse-rows N] [--sparse-repeats N]
-                          [--executor both|interpreted|compiled]
+                          [--executor both|interpreted|compiled|unfused|all]
 
 Workloads (one thread everywhere: BLAS, numba, and PyTorch):
 - mlp:   the digits MLP 64-256-256-10, SGD, batch 64 and 128 -> steps/s
@@ -14,7 +14,8 @@ Workloads (one thread everywhere: BLAS, numba, and PyTorch):
   table, SelectedRows sgd and lazy adam against numpy's np.add.at
 When PyTorch (or PaddlePaddle) is importable the same workloads run on it in
 this process and each row carries their numbers and the ratio. fluidps's rows come
-once per executor ("executor": "interpreted" or "compiled"); a compiled row also says
+once per executor ("executor": "interpreted", "compiled", or "unfused": compiled without
+fusing elementwise runs, to measure fusion in the same run); a compiled row also says
 how long its first compile took (first_compile_s, in a fresh cache) and the same
 start with the code already on disk (cached_compile_s).
 """
@@ -40,6 +41,7 @@ import numpy as np  # noqa: E402
 import fluidps  # noqa: E402
 from bench import paddle_peer, sparse_update  # noqa: E402
 from fluidps import layers, optimizer  # noqa: E402
+from fluidps.executor.compiler import Compiler, ModuleCache  # noqa: E402
 
 CTR_FIELDS, CTR_DENSE, CTR_VOCAB, CTR_DIM = 26, 13, 1_000_000, 8
 
@@ -66,17 +68,19 @@ class Executors:
     `compile_times` holds how long the run that compiled took, in a cold cache and
     then with the code already on disk (a second process's start)."""
 
-    def __init__(self, compiled: bool):
-        self.compiled = compiled
+    def __init__(self, compiled: bool, fuse: bool = True):
+        self.compiled, self.fuse = compiled, fuse
         self.cache_dir = tempfile.mkdtemp(prefix="fluidps-bench-") if compiled else None
         self.compile_times: dict[str, float] = {}
 
     @property
     def name(self) -> str:
-        return "compiled" if self.compiled else "interpreted"
+        return ("compiled" if self.fuse else "unfused") if self.compiled else "interpreted"
 
     def make(self) -> fluidps.Executor:
-        return fluidps.Executor(compile=self.compiled, cache_dir=self.cache_dir)
+        if not self.compiled:
+            return fluidps.Executor()
+        return fluidps.Executor(compile=Compiler(ModuleCache(self.cache_dir), fuse=self.fuse))
 
     def warm(self, exe: fluidps.Executor, run: Callable[[fluidps.Executor], None], make_again=None) -> None:
         """Run twice (a block is compiled at its second run), timing that run."""
@@ -247,6 +251,16 @@ def row(workload: str, unit: str, ours: float, peers: dict[str, float], **extra)
     return out
 
 
+# --executor: (compiled, fused) per row
+_EXECUTORS = {
+    "both": [(False, True), (True, True)],
+    "interpreted": [(False, True)],
+    "compiled": [(True, True)],
+    "unfused": [(True, False)],
+    "all": [(False, True), (True, False), (True, True)],
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -263,12 +277,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sparse-repeats", type=int, help="bench.sparse_update's --repeats")
     parser.add_argument(
         "--executor",
-        choices=["both", "interpreted", "compiled"],
+        choices=list(_EXECUTORS),
         default="both",
-        help="fluidps's executor: the interpreter, the compiler (fluidps.executor.compiler), or a row of each",
+        help="fluidps's executor: the interpreter, the compiler (fluidps.executor.compiler), the compiler "
+        "without fusion (unfused), a row of the first two (both) or of each (all)",
     )
     args = parser.parse_args(argv)
-    kinds = [False, True] if args.executor == "both" else [args.executor == "compiled"]
+    kinds = _EXECUTORS[args.executor]
     torch = None if args.no_torch else load_torch()
     paddle = None if args.no_paddle else paddle_peer.load_paddle()
 
@@ -282,8 +297,8 @@ def main(argv: list[str] | None = None) -> None:
             peers["paddle"] = timed(
                 paddle_peer.classifier_step(paddle, sizes, batch), args.steps, args.repeats
             )
-        for compiled in kinds:
-            executors = Executors(compiled)
+        for compiled, fuse in kinds:
+            executors = Executors(compiled, fuse)
             try:
                 ours = fluidps_classifier(sizes, batch, args.steps, args.repeats, executors)
             finally:
@@ -311,8 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         batches = ctr_batches(args.ctr_batch, vocab=args.ctr_vocab)
         step = paddle_peer.ctr_step(paddle, batches, args.ctr_vocab, CTR_FIELDS, CTR_DIM, CTR_DENSE)
         peers["paddle"] = args.ctr_batch * timed(step, ctr_steps, args.repeats, warmup=5)
-    for compiled in kinds:
-        executors = Executors(compiled)
+    for compiled, fuse in kinds:
+        executors = Executors(compiled, fuse)
         try:
             ours = fluidps_ctr(args.ctr_batch, ctr_steps, args.repeats, args.ctr_vocab, executors)
         finally:

@@ -78,16 +78,21 @@ def test_local_bench_rows(with_torch):
         pytest.skip("PyTorch is not installed")
     args = ["--steps", "2", "--repeats", "1", "--ctr-batch", "16", "--ctr-steps", "2", "--ctr-vocab", "2600"]
     args += ["--sparse-table-rows", "300", "--sparse-rows", "40", "--sparse-repeats", "2"]
-    rows = bench("local", *args, *([] if with_torch else ["--no-torch"]))
+    # Without torch, every executor: interpreted, compiled without fusion, compiled.
+    kinds = ["interpreted", "compiled"] if with_torch else ["interpreted", "unfused", "compiled"]
+    rows = bench(
+        "local", *args, *(["--executor", "both"] if with_torch else ["--no-torch", "--executor", "all"])
+    )
+    n = len(kinds)
     workloads = ["digits_mlp", "digits_mlp", "tiny", "ctr_embedding"]
-    assert [r["workload"] for r in rows] == [w for w in workloads for _ in range(2)] + [
+    assert [r["workload"] for r in rows] == [w for w in workloads for _ in range(n)] + [
         "sgd_sparse_rows",
         "adam_lazy_sparse_rows",
         "hashed_adam_lookup_update",
         "hashed_checkpoint_delta",
     ]
-    training, sparse = rows[:8], rows[8:]
-    assert [r["executor"] for r in training] == ["interpreted", "compiled"] * 4
+    training, sparse = rows[: 4 * n], rows[4 * n :]
+    assert [r["executor"] for r in training] == kinds * 4
     peer_keys = {"torch", "fluidps_vs_torch"} if with_torch else set()
     for r in training:
         assert {"workload", "unit", "fluidps", "threads", "batch", "optimizer"} | peer_keys <= set(r)
@@ -95,14 +100,14 @@ def test_local_bench_rows(with_torch):
         assert r["threads"] == 1
         for key in ("fluidps", *sorted(peer_keys)):
             assert isinstance(r[key], float) and r[key] > 0, (r["workload"], key, r[key])
-        if r["executor"] == "compiled":  # the run that compiled, cold and from the disk cache
+        if r["executor"] != "interpreted":  # the run that compiled, cold and from the disk cache
             assert r["first_compile_s"] > 0 and (
                 r["workload"] == "ctr_embedding" or r["cached_compile_s"] > 0
             )
-    assert [r["unit"] for r in training] == ["steps/s"] * 6 + ["samples/s"] * 2
-    assert [r["batch"] for r in training] == [64, 64, 128, 128, 64, 64, 16, 16]
-    assert training[0]["model"] == "64-256-256-10" and training[4]["model"] == "64-10"
-    assert training[6]["table"] == "2600x8" and training[6]["fields"] == 26
+    assert [r["unit"] for r in training] == ["steps/s"] * 3 * n + ["samples/s"] * n
+    assert [r["batch"] for r in training] == [b for b in (64, 128, 64, 16) for _ in range(n)]
+    assert training[0]["model"] == "64-256-256-10" and training[2 * n]["model"] == "64-10"
+    assert training[3 * n]["table"] == "2600x8" and training[3 * n]["fields"] == 26
     # bench.local ends with bench.sparse_update's rows, its flags passed on.
     assert_sparse_rows(sparse, 300, 40, 16)
 
