@@ -86,6 +86,12 @@ def elementwise(op: Operator) -> Elementwise | None:
         ]
         lowering.require_dense(*slots)
         if any(
+            s not in form.outputs
+            for s, names in op.outputs.items()
+            if any(n != EMPTY_VAR_NAME for n in names)
+        ):
+            return None  # an output its element function does not give
+        if any(
             lowering.variable(n).dtype not in _FLOATS
             for n in op.input_arg_names + op.output_arg_names
             if n != EMPTY_VAR_NAME
