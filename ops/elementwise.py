@@ -344,6 +344,10 @@ def _grad_lowering(op: LoweringOp) -> None:
     op.require_dense("Out@GRAD", "X@GRAD", "Y@GRAD")
     fn = _GRAD_FNS[op.type[: -len("_grad")]]
     dx, dy = op.output("X@GRAD"), op.output("Y@GRAD")
+    if aligned.equal:  # declared alike; one broadcast at run time needs the interpreter's sum
+        x, y = op.input("X"), op.input("Y")
+        op.emit(f"if {x}.shape != {y}.shape:")
+        op.emit(f"    raise ValueError('op {op.type}: Y is broadcast at run time')")
     gx, gy = op.temp(), op.temp()
     op.emit(f"{gx}, {gy} = {op.call(fn, op.input('Out@GRAD'), op.input('X'), aligned.y())}")
     if dx is not None:

@@ -289,6 +289,44 @@ def test_an_array_fetched_or_read_later_is_never_overwritten(cache):
             np.testing.assert_array_equal(a, b, err_msg=f"{name} of step {step}")
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_a_gradient_of_an_operand_broadcast_at_run_time_is_the_interpreter_s(cache, fuse):
+    """Y declared [-1, 4] like X, fed one row: its gradient sums X's rows, as the
+    interpreter's does; the compiled code, which cannot tell from the declarations,
+    checks and hands the step to the interpreter."""
+
+    def run(compiler):
+        main, startup = fluidps.Program(), fluidps.Program()
+        startup.random_seed = 1
+        with fluidps.program_guard(main, startup):
+            a, b = layers.data("a", [4]), layers.data("b", [4])
+            w = layers.create_parameter(
+                [4], "float32", default_initializer=fluidps.initializer.Uniform(0.5, 1.5)
+            )
+            y = layers.elementwise_mul(b, w)
+            loss = layers.mean(layers.elementwise_add(layers.fc(a, 4), y))
+            optimizer.SGD(0.1).minimize(loss)
+        exe = fluidps.Executor(compile=compiler)
+        exe.run(startup)
+        rng = np.random.default_rng(0)
+        return [
+            exe.run(
+                main,
+                feed={
+                    "a": rng.normal(size=(3, 4)).astype(np.float32),
+                    "b": rng.normal(size=(m, 4)).astype(np.float32),
+                },
+                fetch_list=[loss, w.name + "@GRAD", y.name + "@GRAD"],
+            )
+            for m in (3, 3, 1, 1)
+        ]
+
+    for step, (got, want) in enumerate(zip(run(Compiler(cache, fuse=fuse)), run(None), strict=True)):
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape
+            np.testing.assert_array_equal(g, w, err_msg=f"step {step}")
+
+
 def test_explain_names_the_segments_and_why_other_ops_run_interpreted():
     main, _, _ = _classifier([8, 16, 4])
     with fluidps.program_guard(main):
