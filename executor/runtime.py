@@ -148,8 +148,7 @@ class Runtime:
     def _idle_trainer(self) -> bool:
         """A reader has no task for now: a sync trainer takes part in a round without
         gradients (whether another trainer trained meanwhile says to ask again at once),
-        any other pauses. (A trainer that has not sent a step yet does not know its mode
-        and pauses: its first step resumes it.)"""
+        any other pauses."""
         trainer = self._trainer
         if trainer is None:  # a reader without pservers has nobody to tell
             return False

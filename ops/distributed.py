@@ -284,6 +284,7 @@ def _recv_kernel(op: KernelOp) -> Runner:
 @family.kernel("send_barrier")
 def _send_barrier_kernel(op: KernelOp) -> Runner:
     endpoints, trainer_id, trainer = op.attr("endpoints"), op.attr("trainer_id"), op.runtime.trainer
+    trainer.in_sync_job(endpoints, trainer_id)  # (before a reader of its first step waits for a task)
 
     def run(env: Env) -> None:
         trainer.send_barrier(endpoints, trainer_id)

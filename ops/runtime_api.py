@@ -68,6 +68,11 @@ class TrainerChannel(Protocol):
         """This step's gradients are all sent (sync mode); its next pull from each pserver
         is answered once the step is applied there."""
 
+    def in_sync_job(self, endpoints: Sequence[str], trainer_id: int) -> None:
+        """The program about to run sends barriers to `endpoints` (said when its kernels
+        are built): with no data, this trainer keeps in step with the others, from its
+        very first step on."""
+
     def fetch_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
         """This step's parameters are all received."""
 

@@ -217,6 +217,13 @@ class TrainerClient:
         for endpoint in endpoints:
             self._hold(endpoint, trainer_id).barrier = True
 
+    def in_sync_job(self, endpoints: Sequence[str], trainer_id: int) -> None:
+        """A sync program is about to run: from now on this trainer idles in lockstep
+        (idle_round), even before its first step sends a barrier."""
+        for endpoint in endpoints:
+            self.client(endpoint, trainer_id)
+        self._barrier_endpoints = tuple(endpoints)
+
     def fetch_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
         """Nothing to tell: what is still held goes now, not waited for. Every pserver of
         the job is known from here on (a trainer's startup ends with this barrier), so
@@ -251,8 +258,8 @@ class TrainerClient:
 
     @property
     def in_lockstep(self) -> bool:
-        """Sync mode (a step of this trainer sent its barrier): a trainer waiting for data
-        keeps taking part in rounds (idle_round) rather than pausing."""
+        """Sync mode (its program sends barriers): a trainer waiting for data keeps
+        taking part in rounds (idle_round) rather than pausing."""
         return bool(self._barrier_endpoints)
 
     def idle_round(self) -> bool:
