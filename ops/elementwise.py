@@ -69,7 +69,9 @@ for _type, _grad in _GRADS.items():
 
 # -- kernels -----------------------------------------------------------------------------
 # Operands are aligned to one rank (ops.broadcast.align); numba's array
-# expressions then broadcast, keeping the operands' dtype.
+# expressions then broadcast, keeping the operands' dtype. numba compiles each of
+# these for scalars too: the forward ones, and the mul / div gradients, are also the
+# element functions compiled code fuses (see the ElementForms below).
 
 
 @njit(cache=True)
@@ -258,36 +260,6 @@ class _Aligned:
 
 
 @njit(cache=True)
-def add_element(x, y):
-    return x + y
-
-
-@njit(cache=True)
-def sub_element(x, y):
-    return x - y
-
-
-@njit(cache=True)
-def mul_element(x, y):
-    return x * y
-
-
-@njit(cache=True)
-def div_element(x, y):
-    return x / y
-
-
-@njit(cache=True)
-def max_element(x, y):
-    return np.maximum(x, y)
-
-
-@njit(cache=True)
-def min_element(x, y):
-    return np.minimum(x, y)
-
-
-@njit(cache=True)
 def add_grad_element(dout):
     return dout, dout
 
@@ -297,36 +269,21 @@ def sub_grad_element(dout):
     return dout, -dout
 
 
-@njit(cache=True)
-def mul_grad_element(dout, x, y):
-    return dout * y, dout * x
-
-
-@njit(cache=True)
-def div_grad_element(dout, x, y):
-    return dout / y, -dout * x / (y * y)
-
-
 def _spread(op: LoweringOp) -> dict[str, Spread]:
     return _Aligned(op).spread()
 
 
-# The same arithmetic as the array kernels above, element by element (pow, and the max /
-# min gradients, which multiply by booleans, are left out: numba's scalar types differ).
-for _type, _fn in {
-    "elementwise_add": add_element,
-    "elementwise_sub": sub_element,
-    "elementwise_mul": mul_element,
-    "elementwise_div": div_element,
-    "elementwise_max": max_element,
-    "elementwise_min": min_element,
-}.items():
-    family.elementwise(_type, ElementForm(_fn, ("X", "Y"), ("Out",), _spread))
+# The kernels above are their own element functions; add's and sub's gradients read
+# only Out@GRAD, element by element. (pow, and the max / min gradients, which multiply
+# by booleans, are left out: numba's scalar types differ from its arrays'.)
+for _type, _fn in _FORWARD_FNS.items():
+    if _type != "elementwise_pow":
+        family.elementwise(_type, ElementForm(_fn, ("X", "Y"), ("Out",), _spread))
 for _type, (_fn, _reads) in {
     "elementwise_add": (add_grad_element, ("Out@GRAD",)),
     "elementwise_sub": (sub_grad_element, ("Out@GRAD",)),
-    "elementwise_mul": (mul_grad_element, ("Out@GRAD", "X", "Y")),
-    "elementwise_div": (div_grad_element, ("Out@GRAD", "X", "Y")),
+    "elementwise_mul": (_mul_grads, ("Out@GRAD", "X", "Y")),
+    "elementwise_div": (_div_grads, ("Out@GRAD", "X", "Y")),
 }.items():
     family.elementwise(_type + "_grad", ElementForm(_fn, _reads, ("X@GRAD", "Y@GRAD"), _spread))
 

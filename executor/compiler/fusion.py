@@ -242,30 +242,30 @@ def lower_run(
 
     # Operands the run reads from outside: checked against the loop, then viewed as it indexes them.
     views: dict[str, str] = {}
-    for k, member in enumerate(run.members):
-        for slot, name in member.all_inputs():
-            if name in views or run.written_before(name, k):
-                continue
-            array, view = local(name), fresh()
-            where = f"op {member.op.type!r}: {slot} {name!r}"
-            if slot in member.spread:
-                s = member.spread[slot]
-                differ = " or ".join(
-                    f"{array}.shape[{j}] != {domain}.shape[{s.start + j}]" for j in range(s.rank)
-                )
+    for k, slot, name in run.operands():
+        if name in views:
+            continue
+        member = run.members[k]
+        array, view = local(name), fresh()
+        where = f"op {member.op.type!r}: {slot} {name!r}"
+        if slot in member.spread:
+            s = member.spread[slot]
+            differ = " or ".join(
+                f"{array}.shape[{j}] != {domain}.shape[{s.start + j}]" for j in range(s.rank)
+            )
+            lines += [
+                f"if {differ}:",
+                f"    raise ValueError({where + ' does not line up with the others'!r})",
+            ]
+            lines.append(f"{view} = {array}.reshape(-1)")
+        else:
+            if array != domain:
                 lines += [
-                    f"if {differ}:",
-                    f"    raise ValueError({where + ' does not line up with the others'!r})",
+                    f"if {array}.shape != {domain}.shape:",
+                    f"    raise ValueError({where + ' has another shape'!r})",
                 ]
-                lines.append(f"{view} = {array}.reshape(-1)")
-            else:
-                if array != domain:
-                    lines += [
-                        f"if {array}.shape != {domain}.shape:",
-                        f"    raise ValueError({where + ' has another shape'!r})",
-                    ]
-                lines.append(f"{view} = {array}.reshape({full_view})")
-            views[name] = view
+            lines.append(f"{view} = {array}.reshape({full_view})")
+        views[name] = view
 
     # Outputs: an array for each variable read after the run (its last value), a sum for a broadcast one.
     unstored = set(run.unstored(read_after))
