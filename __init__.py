@@ -44,6 +44,7 @@ from fluidps.param_attr import ParamAttr
 from fluidps.transpiler import DistributedPlan, DistributeTranspiler, DistributeTranspilerConfig
 
 if TYPE_CHECKING:
+    from fluidps.executor.launch.kubernetes import KubernetesCluster, Resources
     from fluidps.executor.remote.remote_executor import JobDesc, RemoteExecutor
 
 __version__ = "0.1.0"
@@ -53,6 +54,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "JobDesc": "fluidps.executor.remote.remote_executor",
     "RemoteExecutor": "fluidps.executor.remote.remote_executor",
+    "KubernetesCluster": "fluidps.executor.launch.kubernetes",  # (with JobDesc.to_kubernetes)
+    "Resources": "fluidps.executor.launch.kubernetes",
 }
 
 
@@ -78,6 +81,7 @@ __all__ = [
     "FeedError",
     "GradientClipByGlobalNorm",
     "JobDesc",
+    "KubernetesCluster",
     "L2Decay",
     "OpRole",
     "Operator",
@@ -87,6 +91,7 @@ __all__ = [
     "ProgramError",
     "ProgramParseError",
     "RemoteExecutor",
+    "Resources",
     "RoleInfo",
     "RuntimeConfig",
     "Scope",

@@ -122,10 +122,10 @@ def training_row(w: Workload, mode: str, trainers: int, pservers: int, rate: flo
     }
 
 
-def run_local(w: Workload, repeats: int, warmup: int) -> tuple[float, float]:
+def run_local(w: Workload, repeats: int, warmup: int, compiled: bool) -> tuple[float, float]:
     """(samples/s, last loss) of fluidps.Executor on the workload."""
     main, startup, loss = w.build()
-    exe = fluidps.Executor()
+    exe = fluidps.Executor(compile=compiled)
     exe.run(startup)
     last = []
 
@@ -142,6 +142,7 @@ class JobOptions:
     profile: bool = False  # each process's breakdown per step in the row
     prefetch_batches: int = 2  # steps in flight (JobDesc.prefetch_batches; 1: one at a time)
     runners: tuple[str, ...] = ("RemoteExecutor",)  # and/or "launch": bench/launched.py under fluidps launch
+    compiled: bool = False  # every process's Executor compiles (fluidps.executor.compiler)
 
 
 def run_job(
@@ -157,6 +158,7 @@ def run_job(
         config=job_config(mode),
         profile=options.profile,
         prefetch_batches=options.prefetch_batches,
+        compile=options.compiled,
     )
     start = time.perf_counter()
     last = []
@@ -215,7 +217,7 @@ LAUNCHED = Path(__file__).resolve().parent / "launched.py"
 
 
 def run_launched(
-    w: Workload, trainers: int, pservers: int, mode: str, repeats: int, warmup: int
+    w: Workload, trainers: int, pservers: int, mode: str, repeats: int, warmup: int, compiled: bool
 ) -> tuple[float, dict]:
     """(samples/s, row fields) of the same training the Fluid way: bench/launched.py under
     `fluidps launch`, each trainer feeding itself its rows of each global batch (no client
@@ -230,7 +232,8 @@ def run_launched(
             *("--steps", str(w.steps), "--repeats", str(repeats), "--warmup", str(1 + warmup)),
         ]
         start = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        env = dict(os.environ, FLUIDPS_COMPILE="1" if compiled else "0")  # each process's Executor()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
         if done.returncode:
             raise RuntimeError(
                 f"fluidps launch failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -262,15 +265,14 @@ def breakdown(before: dict, after: dict) -> dict:
 def bench_training(
     w: Workload, torch, repeats: int, warmup: int, topologies, modes, options: JobOptions
 ) -> None:
-    local, local_loss = run_local(w, repeats, warmup)
-    print(
-        json.dumps(
-            training_row(
-                w, "local", 1, 0, local, steps=w.steps * repeats, loss=round(local_loss, 4), impl="fluidps"
-            )
-        ),
-        flush=True,
+    """The workload's rows: local (and PyTorch's, when importable), then every job, with
+    the executor `options` says; each job's vs_local is against the local row of its executor."""
+    executor = "compiled" if options.compiled else "interpreted"
+    local, local_loss = run_local(w, repeats, warmup, options.compiled)
+    local_row = training_row(
+        w, "local", 1, 0, local, steps=w.steps * repeats, loss=round(local_loss, 4), impl="fluidps"
     )
+    print(json.dumps({**local_row, "executor": executor}), flush=True)
     if torch is not None:
         batch = len(next(iter(w.batches[0].values())))
         if w.name == "digits_mlp":
@@ -280,7 +282,7 @@ def bench_training(
             rate = torch_ctr(torch, batch, w.steps, repeats)
             info = {"optimizer": "SparseAdam + Adam (bench.local's torch model; random data)"}
         row = training_row(w, "local", 1, 0, rate, steps=w.steps * repeats, impl="torch")
-        row.update(info, torch_vs_fluidps_local=round(rate / local, 3))
+        row.update(info, torch_vs_fluidps_local=round(rate / local, 3), fluidps_executor=executor)
         if w.name == "ctr_embedding":
             row["table"] = "1000000x8"  # bench.local's size, whatever --ctr-vocab says
         print(json.dumps(row), flush=True)
@@ -288,12 +290,14 @@ def bench_training(
         for mode in modes:
             for runner in options.runners:
                 if runner == "launch":
-                    rate, fields = run_launched(w, trainers, pservers, mode, repeats, warmup)
+                    rate, fields = run_launched(
+                        w, trainers, pservers, mode, repeats, warmup, options.compiled
+                    )
                 else:
                     rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup, options)
                     fields = {"runner": "RemoteExecutor", **fields}
                 row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
-                row["vs_local"] = round(rate / local, 3)
+                row.update(executor=executor, vs_local=round(rate / local, 3))
                 print(json.dumps(row), flush=True)
 
 
@@ -538,11 +542,22 @@ def main(argv: list[str] | None = None) -> None:
         help="how jobs run: RemoteExecutor (this process is the client) and/or launch "
         "(bench/launched.py under fluidps launch: each trainer feeds itself)",
     )
+    parser.add_argument(
+        "--executors",
+        default="interpreted,compiled",
+        help="fluidps's executor in every process: interpreted and/or compiled "
+        "(fluidps.executor.compiler); each runs the local row and every job",
+    )
     args = parser.parse_args(argv)
     runners = tuple(args.runners.split(","))
     if not set(runners) <= {"RemoteExecutor", "launch"}:
         raise SystemExit(f"--runners: RemoteExecutor and/or launch, got {args.runners!r}")
-    options = JobOptions(args.profile, args.prefetch_batches, runners)
+    executors = args.executors.split(",")
+    if not executors or not set(executors) <= {"interpreted", "compiled"}:
+        raise SystemExit(f"--executors: interpreted and/or compiled, got {args.executors!r}")
+    all_options = [
+        JobOptions(args.profile, args.prefetch_batches, runners, e == "compiled") for e in executors
+    ]
     repeats, warmup, scale = args.repeats, 5, args.scale
     if args.quick:
         repeats, warmup, scale = 1, 2, 0.05
@@ -561,26 +576,22 @@ def main(argv: list[str] | None = None) -> None:
         ),
         flush=True,
     )
-    for name in args.models.split(","):
-        if name == "digits_mlp":
-            w = digits_workload(args.digits_batch, max(int(150 * scale), 3))
-            bench_training(w, torch, repeats, warmup, topologies, modes, options)
-        elif name == "ctr_hashed":
-            bench_training(
-                ctr_hashed_workload(args.ctr_batch, max(int(40 * scale), 3)),
-                None,
-                repeats,
-                warmup,
-                topologies,
-                modes,
-                options,
-            )
-        elif name in ("ctr_embedding", "ctr_distributed"):
-            for vocab in (int(v) for v in args.ctr_vocab.split(",")):
-                w = ctr_workload(args.ctr_batch, max(int(40 * scale), 3), vocab, name == "ctr_distributed")
+    for options in all_options:
+        for name in args.models.split(","):
+            if name == "digits_mlp":
+                w = digits_workload(args.digits_batch, max(int(150 * scale), 3))
                 bench_training(w, torch, repeats, warmup, topologies, modes, options)
-        else:
-            raise SystemExit(f"unknown model {name!r}")
+            elif name == "ctr_hashed":
+                w = ctr_hashed_workload(args.ctr_batch, max(int(40 * scale), 3))
+                bench_training(w, None, repeats, warmup, topologies, modes, options)
+            elif name in ("ctr_embedding", "ctr_distributed"):
+                for vocab in (int(v) for v in args.ctr_vocab.split(",")):
+                    w = ctr_workload(
+                        args.ctr_batch, max(int(40 * scale), 3), vocab, name == "ctr_distributed"
+                    )
+                    bench_training(w, torch, repeats, warmup, topologies, modes, options)
+            else:
+                raise SystemExit(f"unknown model {name!r}")
     if args.hashed_ids:
         print(json.dumps(bench_hashed_job_memory(args.hashed_ids)), flush=True)
     bench_bandwidth(args.bandwidth_mib * MIB, max(int(20 * scale), 5))

@@ -79,7 +79,7 @@ class Executors:
 
     def make(self) -> fluidps.Executor:
         if not self.compiled:
-            return fluidps.Executor()
+            return fluidps.Executor(compile=False)
         return fluidps.Executor(compile=Compiler(ModuleCache(self.cache_dir), fuse=self.fuse))
 
     def warm(self, exe: fluidps.Executor, run: Callable[[fluidps.Executor], None], make_again=None) -> None:

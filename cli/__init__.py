@@ -1,5 +1,5 @@
 """The `fluidps` command line: inspect, dot, transpile, launch, serve, keys, data,
-checkpoint.
+checkpoint, k8s.
 
 Every command turns bad input into one line on stderr and exit status 2;
 a check that finds problems exits with 1.
@@ -13,6 +13,7 @@ import click
 
 from fluidps.cli.checkpoint_cmd import checkpoint
 from fluidps.cli.data_cmd import data
+from fluidps.cli.k8s_cmd import k8s
 from fluidps.cli.launch_cmd import launch
 from fluidps.cli.program_cmds import dot, inspect
 from fluidps.cli.serve_cmd import keys, serve
@@ -33,3 +34,4 @@ main.add_command(serve)
 main.add_command(keys)
 main.add_command(data)
 main.add_command(checkpoint)
+main.add_command(k8s)

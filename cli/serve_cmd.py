@@ -65,6 +65,13 @@ def _config(keys: str | None, insecure: bool, peer_timeout: float | None) -> Run
     "--profile", is_flag=True, help="Record where this process's time goes (reported in its stats)."
 )
 @click.option(
+    "--compile/--no-compile",
+    "compile_",
+    default=None,
+    help="Run programs as numba-compiled segments (fluidps.Executor(compile=True)), or interpreted. "
+    "Default: FLUIDPS_COMPILE.",
+)
+@click.option(
     "--peer-timeout", type=click.FloatRange(min=0.1), help="Seconds of silence that mean a peer is dead."
 )
 @click.option(
@@ -106,6 +113,7 @@ def serve(
     max_task_failures: int,
     parent_pid: int | None,
     profile: bool,
+    compile_: bool | None,
 ) -> None:
     """Serve programs until told to stop (SIGTERM or a client's SHUTDOWN).
 
@@ -123,7 +131,7 @@ def serve(
         if profile:
             config = replace(config, profile=True)
         if role == "pserver":
-            _serve_pserver(program_file, startup_file, config)
+            _serve_pserver(program_file, startup_file, config, compile_)
             return
         if program_file or startup_file:
             fail("--program and --startup go with --role pserver")
@@ -132,7 +140,7 @@ def serve(
                 endpoint, config.rpc, snapshot, task_timeout, max_task_failures, name or "coordinator"
             )
         else:
-            server = ExecutorServer(endpoint, config, name)
+            server = ExecutorServer(endpoint, config, name, compile_)
     except Error as e:
         fail(str(e))
 
@@ -160,14 +168,16 @@ def _stop_when_orphaned(parent_pid: int, stop: Callable[[], None]) -> None:
     threading.Thread(target=watch, name="parent watch", daemon=True).start()
 
 
-def _serve_pserver(program_file: str | None, startup_file: str | None, config: RuntimeConfig) -> None:
+def _serve_pserver(
+    program_file: str | None, startup_file: str | None, config: RuntimeConfig, compile_: bool | None
+) -> None:
     if not program_file or not startup_file:
         fail("--role pserver needs --program MAIN.pb and --startup STARTUP.pb")
     main, startup = load_program(program_file), load_program(startup_file)
     serving = [op for op in main.global_block().ops if op.type == "listen_and_serv"]
     if len(serving) != 1:
         fail(f"{program_file} is not a pserver program (it has no listen_and_serv op)")
-    exe = Executor(runtime_config=config)
+    exe = Executor(runtime_config=config, compile=compile_)
     exe.run(startup)
     # The loop binds as it starts; trainers connecting earlier wait for it.
     click.echo(f"pserver {serving[0].attr('pserver_id')}{READY}{serving[0].attr('endpoint')}")

@@ -113,6 +113,11 @@ class BlockRunner:
         except Exception as e:
             raise ExecutionError(self._failure(index, env, e)) from e
 
+    @property
+    def compiled_ops(self) -> int:
+        """How many of the block's ops run inside compiled segments (0 before its second run)."""
+        return sum(s.stop - s.start for s in self.segments.values() if s.start not in self._broken)
+
     def _compile(self) -> None:
         """Compile the block's segments; a block the compiler cannot handle (a cache
         directory it cannot write, a lowering that fails) runs interpreted, with a warning."""

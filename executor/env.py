@@ -27,8 +27,9 @@ given no RuntimeConfig reads them when a program first needs its runtime):
   FLUIDPS_ELASTIC               1: trainers are disposable (pservers evict and readmit them)
   FLUIDPS_PROFILE               1: record where the process's time goes (fluidps.profiling)
   FLUIDPS_COMPILE, FLUIDPS_CACHE_DIR
-                                1: Executors run blocks as numba-compiled segments, their code
-                                kept in the cache directory (fluidps.executor.compiler)
+                                0: Executors interpret their blocks; 1 (the default): they run
+                                them as numba-compiled segments, their code kept in the cache
+                                directory (fluidps.executor.compiler)
   FLUIDPS_CHECKPOINT_DIR, FLUIDPS_CHECKPOINT_EVERY_STEPS, FLUIDPS_CHECKPOINT_EVERY_SECONDS,
   FLUIDPS_CHECKPOINT_KEEP, FLUIDPS_CHECKPOINT_BASE_EVERY
                                 every pserver's checkpoints, instead of its program's settings
@@ -253,12 +254,15 @@ def _incarnation(text: str, name: str, required: bool = False) -> int:
 
 
 def compile_from_env(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether FLUIDPS_COMPILE=1 asks Executors to compile their blocks (fluidps.executor.compiler)."""
+    """Whether Executors compile their blocks (fluidps.executor.compiler): yes, unless
+    FLUIDPS_COMPILE=0 says to interpret them."""
     env = os.environ if environ is None else environ
     text = env.get("FLUIDPS_COMPILE", "").strip()
     if text not in ("", "0", "1"):
-        raise BuilderError(f"FLUIDPS_COMPILE={text!r} is invalid: it should hold 1 (compile) or 0")
-    return text == "1"
+        raise BuilderError(
+            f"FLUIDPS_COMPILE={text!r} is invalid: it should hold 1 (compile) or 0 (interpret)"
+        )
+    return text != "0"
 
 
 def checkpoint_overrides_from_env(environ: Mapping[str, str] | None = None) -> CheckpointOverrides:

@@ -236,8 +236,9 @@ class Executor:
 
     `compile=True` runs each block's ops that have a compiled form as numba-compiled
     segments (fluidps.executor.compiler), their code kept in `cache_dir` (default
-    FLUIDPS_CACHE_DIR, else ~/.cache/fluidps/compiled) for the next process. None
-    reads FLUIDPS_COMPILE=1. A fluidps.executor.compiler.Compiler sets more.
+    FLUIDPS_CACHE_DIR, else ~/.cache/fluidps/compiled) for the next process; False
+    interprets them op by op, with the same results. None (the default) compiles unless
+    FLUIDPS_COMPILE=0. A fluidps.executor.compiler.Compiler sets more.
     """
 
     def __init__(
@@ -276,7 +277,7 @@ class Executor:
                 from fluidps.executor.env import runtime_config_from_env
 
                 config = runtime_config_from_env()
-            self._runtime = Runtime(config)
+            self._runtime = Runtime(config, self.compiler)
         return self._runtime
 
     @property
@@ -320,6 +321,12 @@ class Executor:
             prepared = per_program[key] = PreparedProgram(program, fetch_names, runtime, self.compiler)
         return prepared
 
+    def compiled_ops(self) -> int:
+        """How many ops of the programs it ran run inside compiled segments (a block is
+        compiled at its second run). A pserver loop's stats count its optimize blocks'."""
+        prepared = [p for versions in list(self._cache.values()) for p in list(versions.values())]
+        return sum(p.runner.compiled_ops for p in prepared)  # (copies: a status thread asks)
+
     def explain(self, program: Program) -> str:
         """Which ops of `program`'s global block run compiled (with `compile=True`), in
         which segments, and why the others run interpreted."""
@@ -327,7 +334,10 @@ class Executor:
 
         if not isinstance(program, Program):
             raise ProgramError("Executor.explain needs a Program")
-        return explain(program.global_block(), self.compiler.min_ops if self.compiler else MIN_OPS)
+        compiler = self.compiler
+        return explain(
+            program.global_block(), compiler.min_ops if compiler else MIN_OPS, not compiler or compiler.fuse
+        )
 
     def close(self) -> list[str]:
         """Release prepared programs and, in a distributed job, tell every pserver this

@@ -34,6 +34,7 @@ from fluidps.profiling import Profile
 if TYPE_CHECKING:
     import zmq
 
+    from fluidps.executor.compiler import Compiler
     from fluidps.executor.ps.host import PserverHost
     from fluidps.executor.ps.trainer_client import TrainerClient
     from fluidps.executor.tasks.task_reader import Readers, TaskSource
@@ -68,8 +69,11 @@ class RuntimeConfig:
 
 
 class Runtime:
-    def __init__(self, config: RuntimeConfig):
+    """`compiler`: the executor's, which compiles a pserver's optimize blocks too."""
+
+    def __init__(self, config: RuntimeConfig, compiler: Compiler | None = None):
         self.config = config
+        self.compiler = compiler
         # This participant's incarnation: pservers tell a restarted trainer from its old self by it.
         self.sender = config.incarnation or secrets.randbits(63) | 1
         self.profile = Profile() if config.profile else None
@@ -143,7 +147,9 @@ class Runtime:
         return self._context
 
     def _runner_for(self, block: Block) -> BlockRunner:
-        return BlockRunner(block, self, compute="optimize")  # a pserver's optimize blocks
+        return BlockRunner(
+            block, self, compute="optimize", compiler=self.compiler
+        )  # a pserver's optimize blocks
 
     def _idle_trainer(self) -> bool:
         """A reader has no task for now: a sync trainer takes part in a round without

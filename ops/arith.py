@@ -8,9 +8,10 @@ from numba import njit
 from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext, numel
 from fluidps.ir.opschema import GradContext, GradOpDesc
-from fluidps.ir.types import EMPTY_VAR_NAME, VarType
+from fluidps.ir.types import EMPTY_VAR_NAME, VarType, to_numpy_dtype
 from fluidps.ops.defs import Bool, Extra, Float, In, Out, backend_hints
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.lowering import LoweringOp, NotLowerable
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows, scatter_add
 
@@ -187,3 +188,39 @@ def _increment_kernel(op: KernelOp) -> Runner:
         env[out_name] = _increment(x, x.dtype.type(step))
 
     return run
+
+
+# -- lowerings: dense operands (a pserver's sum of trainers' gradients, a loss scale) -----------
+
+
+@njit(cache=True)
+def add_same_shape(acc, x):
+    """acc += x for arrays of one shape; raises (numba checks no bounds) when they differ,
+    so that the interpreter says which."""
+    if acc.shape != x.shape:
+        raise ValueError("sum: inputs of different shapes")
+    _add_into(acc.reshape(-1), x.reshape(-1))
+
+
+@family.lowering("scale")
+def _scale_lowering(op: LoweringOp) -> None:
+    op.require_dense("X", "Out")
+    if op.has_input("ScaleTensor"):
+        raise NotLowerable("its scale is a tensor")
+    op.new_arrays()
+    t = f"np.{to_numpy_dtype(op.declared_dtype('X')).name}"
+    scale, bias = f"{t}({op.attr('scale')!r})", f"{t}({op.attr('bias')!r})"
+    op.emit(
+        f"{op.output('Out')} = {op.call(_scale, op.input('X'), scale, bias, repr(op.attr('bias_after_scale')))}"
+    )
+
+
+@family.lowering("sum")
+def _sum_lowering(op: LoweringOp) -> None:
+    xs = op.inputs("X")
+    op.require_dense("X", "Out")
+    op.new_arrays()
+    out = op.output("Out")
+    op.emit(f"{out} = {xs[0]}.copy()")  # as the kernel: the first addend, then the others in order
+    for x in xs[1:]:
+        op.emit(op.call(add_same_shape, out, x))

@@ -17,6 +17,7 @@ from fluidps.ir.types import EMPTY_VAR_NAME, VarType
 from fluidps.ops.defs import Bool, Compat, Hint, In, Int, Long, Longs, Out, Str, Strs
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.lowering import LoweringOp, NotLowerable, dims, shape
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -226,3 +227,31 @@ def _lookup_grad_kernel(op: KernelOp) -> Runner:
             env[dw_name] = _scatter_grad(ids, dout, rows, spec.has_pad, spec.pad)
 
     return run
+
+
+@family.lowering("lookup_table", "lookup_table_v2")
+def _lookup_lowering(op: LoweringOp) -> None:
+    """The forward gather from a dense table; a bad id raises, and the interpreter then
+    names it (its gradient, sparse or a dense scatter, runs interpreted)."""
+    op.new_arrays()
+    op.require_dense("W", "Ids", "Out")
+    if op.declared_dtype("Ids") not in (VarType.INT64, VarType.INT32):
+        raise NotLowerable("Ids are not int64 or int32")
+    if op.rank("W") != 2:
+        raise NotLowerable("W is not [rows, width]")
+    w, ids, rank = op.input("W"), op.input("Ids"), op.rank("Ids")
+    v1 = op.type == "lookup_table"
+    kept = rank - 1 if v1 else rank  # v1's ids end in a dimension of 1
+    if v1 and rank == 0:
+        raise NotLowerable("v1 Ids without their last dimension of 1")
+    pad = int(op.attr("padding_idx"))
+    has_pad = pad != -1
+    flat = op.temp()
+    if v1:
+        op.emit(f"if {ids}.shape[{rank - 1}] != 1:")
+        op.emit("    raise ValueError('lookup_table: Ids must end in a dimension of 1')")
+    op.emit(f"{flat} = np.ascontiguousarray({ids}).reshape(-1)")
+    op.emit(f"if {op.call(first_bad_id, flat, f'{w}.shape[0]', str(has_pad), str(pad))} >= 0:")
+    op.emit("    raise ValueError('lookup_table: an id out of range')")
+    gathered = op.call(_gather, f"np.ascontiguousarray({w})", flat, str(has_pad), str(pad))
+    op.emit(f"{op.output('Out')} = {gathered}.reshape({shape([*dims(ids, range(kept)), f'{w}.shape[1]'])})")

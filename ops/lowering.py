@@ -12,6 +12,10 @@ A lowering raises NotLowerable for a case it does not handle (a SelectedRows
 operand, an attribute value it has no code for): the op then runs interpreted,
 between compiled segments.
 
+An update op (an optimizer's) may register a `BatchForm`: how several consecutive ops of
+its type, one per parameter, run as one loop over the parameters (a multi-tensor
+apply), with the same arithmetic per parameter as its lowering.
+
 An elementwise op may also register its `ElementForm`: the numba function of one
 element of each operand that its kernel maps over its arrays. The compiler fuses
 runs of such ops into one loop nest that calls those functions on scalars, so a
@@ -21,7 +25,7 @@ running give the same bits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +71,18 @@ class LoweringOp:
         """The local variable for the one variable of an output slot; None when unwanted."""
         names = [n for n in self.op.output(slot) if n != EMPTY_VAR_NAME]
         return self._local(self._one(names, "output", slot)) if names else None
+
+    def inputs(self, slot: str) -> list[str]:
+        """The local variables holding the variables of a duplicable input slot, in order."""
+        names = [n for n in self.op.input(slot) if n != EMPTY_VAR_NAME]
+        if not names:
+            raise ExecutionError(f"op {self.type!r}: input {slot!r} needs at least one variable")
+        return [self._local(n) for n in names]
+
+    def outputs(self, slot: str) -> list[str | None]:
+        """The local variables for the variables of a duplicable output slot, in order;
+        None where one is unwanted."""
+        return [None if n == EMPTY_VAR_NAME else self._local(n) for n in self.op.output(slot)]
 
     def has_input(self, slot: str) -> bool:
         return any(n != EMPTY_VAR_NAME for n in self.op.input(slot))
@@ -180,3 +196,14 @@ class ElementForm:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     spread: Callable[[LoweringOp], dict[str, Spread]] | None = None
+
+
+@dataclass(frozen=True)
+class BatchForm:
+    """Consecutive ops of one type as one loop over their parameters. `key(op)` (of a
+    lowered op) says which ops may share a loop: those with equal keys (the attributes
+    and dtypes the loop takes once); None: this one runs on its own. `lines(ops)`: the
+    statements updating every op's parameter in turn, as each op's lowering would."""
+
+    key: Callable[[LoweringOp], Hashable | None]
+    lines: Callable[[Sequence[LoweringOp]], list[str]]

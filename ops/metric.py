@@ -11,6 +11,7 @@ from fluidps.ir.types import VarType
 from fluidps.ops.defs import Extra, In, Int, Out
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.lowering import LoweringOp, NotLowerable, dims, shape
 from fluidps.ops.registry import OpFamily
 
 family = OpFamily("metric")
@@ -196,3 +197,56 @@ def _accuracy_kernel(op: KernelOp) -> Runner:
             env[total_name] = np.asarray(rows, dtype=np.int32)
 
     return run
+
+
+# -- lowerings: a classifier's metrics between its forward and backward ------------------------
+# A case the kernel reports (k above the last dimension, a negative label) raises in the
+# compiled code, and the interpreter then runs the segment and says what is wrong.
+
+
+@family.lowering("top_k")
+def _top_k_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
+    op.require_dense("X", "Out", "Indices")
+    if op.has_input("K"):
+        raise NotLowerable("its k is a tensor")
+    x, rank, k = op.input("X"), op.rank("X"), op.attr("k")
+    if rank == 0:
+        raise NotLowerable("X is a scalar")
+    n = f"{x}.shape[{rank - 1}]"
+    op.emit(f"if {k} > {n}:")
+    op.emit("    raise ValueError('top_k: k is larger than the last dimension')")
+    values, indices = op.temp(), op.temp()
+    op.emit(f"{values}, {indices} = {op.call(_top_k, f'{x}.reshape((-1, {n}))', str(k))}")
+    out_shape = shape([*dims(x, range(rank - 1)), str(k)])
+    if (out := op.output("Out")) is not None:
+        op.emit(f"{out} = {values}.reshape({out_shape})")
+    if (idx := op.output("Indices")) is not None:
+        op.emit(f"{idx} = {indices}.reshape({out_shape})")
+
+
+@njit(cache=True)
+def accuracy_of(indices, label):
+    """(accuracy, correct, total) as the kernel's 0-d arrays; raises where it reports."""
+    rows = indices.shape[0]
+    flat = label.reshape(-1)
+    if flat.shape[0] < rows:
+        raise ValueError("accuracy: fewer labels than rows")
+    correct, bad = _count_correct(indices, flat[:rows])
+    if bad >= 0:
+        raise ValueError("accuracy: a negative label")
+    accuracy = np.float32(correct) / np.float32(rows) if rows else np.float32(0)
+    return np.full((), accuracy, np.float32), np.full((), correct, np.int32), np.full((), rows, np.int32)
+
+
+@family.lowering("accuracy")
+def _accuracy_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
+    op.require_dense("Indices", "Label")
+    if op.rank("Indices") != 2:
+        raise NotLowerable("Indices is not [batch, k]")
+    values = [op.temp() for _ in range(3)]
+    op.emit(f"{', '.join(values)} = {op.call(accuracy_of, op.input('Indices'), op.input('Label'))}")
+    for slot, value in zip(("Accuracy", "Correct", "Total"), values, strict=True):
+        if (out := op.output(slot)) is not None:
+            op.emit(f"{out} = {value}")

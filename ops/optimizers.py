@@ -19,7 +19,7 @@ from fluidps.ir.infer import InferContext, numel
 from fluidps.ir.types import VarType, to_numpy_dtype
 from fluidps.ops.defs import Bool, Compat, Extra, Float, Hint, In, Long, Only, Out, Str, backend_hints
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
-from fluidps.ops.lowering import LoweringOp, NotLowerable
+from fluidps.ops.lowering import BatchForm, LoweringOp, NotLowerable
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -601,3 +601,86 @@ def _adam_lowering(op: LoweringOp) -> None:
     op.emit(op.call(_adam_rows, *args, "False"))
     op.emit(f"{b1_pow}.reshape(-1)[0] = {b1p} * {b1}")
     op.emit(f"{b2_pow}.reshape(-1)[0] = {b2p} * {b2}")
+
+
+# -- batches: consecutive updates of many parameters as one loop (fluidps.executor.compiler.batching)
+# Each parameter gets exactly its own op's lowering's arithmetic, in op order.
+
+
+def _tuple(parts: list[str]) -> str:
+    return f"({', '.join(parts)},)"
+
+
+def _rows_view(local: str) -> str:
+    return f"{local}.reshape((1, {local}.size))"
+
+
+def _dtypes(op: LoweringOp, *slots: str) -> tuple[str, ...]:
+    return tuple(to_numpy_dtype(op.declared_dtype(slot)).name for slot in slots)
+
+
+def _rate(op: LoweringOp) -> str:
+    return f"np.{_dtypes(op, 'Param')[0]}({op.input('LearningRate')}.reshape(-1)[0])"
+
+
+@njit(cache=True)
+def sgd_many(params, grads, rates):
+    """sgd of every parameter of a batch in turn (params, grads: (1, size) views)."""
+    rows = np.zeros(1, np.int64)
+    for k in range(len(params)):
+        require_same_size(params[k], grads[k])
+        _sgd_rows(params[k], rows, grads[k], rates[k])
+
+
+def _sgd_key(op: LoweringOp) -> tuple[str, ...] | None:
+    dtypes = _dtypes(op, "Param", "Grad")
+    return dtypes if len(set(dtypes)) == 1 else None  # one tuple type per operand
+
+
+def _sgd_batch(ops: list[LoweringOp]) -> list[str]:
+    params = _tuple([_rows_view(op.input("Param")) for op in ops])
+    grads = _tuple([_rows_view(op.input("Grad")) for op in ops])
+    return [ops[0].call(sgd_many, params, grads, _tuple([_rate(op) for op in ops]))]
+
+
+@njit(cache=True)
+def adam_many(params, grads, m1s, m2s, b1_pows, b2_pows, rates, b1, b2, epsilon, one):
+    """Dense adam of every parameter of a batch in turn, as _adam_lowering's statements."""
+    rows = np.zeros(1, np.int64)
+    for k in range(len(params)):
+        p, g, m1, m2 = params[k], grads[k], m1s[k], m2s[k]
+        require_same_size(p, g)
+        require_same_size(p, m1)
+        require_same_size(p, m2)
+        b1p, b2p = b1_pows[k][0], b2_pows[k][0]
+        lr_t = rates[k] * (np.sqrt(one - b2p) / (one - b1p))
+        eps_t = epsilon * np.sqrt(one - b2p)
+        _adam_rows(p, m1, m2, rows, g, lr_t, b1, b2, one - b1, one - b2, eps_t, False)
+        b1_pows[k][0] = b1p * b1
+        b2_pows[k][0] = b2p * b2
+
+
+_ADAM_SLOTS = ("Param", "Grad", "Moment1", "Moment2", "Beta1Pow", "Beta2Pow")
+
+
+def _adam_key(op: LoweringOp) -> tuple[object, ...] | None:
+    dtypes = _dtypes(op, *_ADAM_SLOTS)
+    if len(set(dtypes)) != 1:
+        return None
+    return (dtypes[0], op.attr("beta1"), op.attr("beta2"), op.attr("epsilon"))
+
+
+def _adam_batch(ops: list[LoweringOp]) -> list[str]:
+    t = f"np.{_dtypes(ops[0], 'Param')[0]}"
+    views = [
+        _tuple([_rows_view(op.input(slot)) for op in ops]) for slot in ("Param", "Grad", "Moment1", "Moment2")
+    ]
+    pows = [_tuple([f"{op.input(slot)}.reshape(-1)" for op in ops]) for slot in ("Beta1Pow", "Beta2Pow")]
+    first = ops[0]
+    constants = [f"{t}({first.attr(name)!r})" for name in ("beta1", "beta2", "epsilon")]
+    args = [*views, *pows, _tuple([_rate(op) for op in ops]), *constants, f"{t}(1)"]
+    return [first.call(adam_many, *args)]
+
+
+family.batched("sgd", BatchForm(_sgd_key, _sgd_batch))
+family.batched("adam", BatchForm(_adam_key, _adam_batch))

@@ -20,7 +20,7 @@ from fluidps.ir.program import Block
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops.grad import GradSpec, grad_schema
 from fluidps.ops.kernel import KernelBuilder, KernelOp, Runner
-from fluidps.ops.lowering import ElementForm, Lowering, LoweringOp, NotLowerable
+from fluidps.ops.lowering import BatchForm, ElementForm, Lowering, LoweringOp, NotLowerable
 from fluidps.ops.runtime_api import KernelRuntime
 
 # Common attributes the builder writes on every op; the others (name scopes,
@@ -39,6 +39,7 @@ class OpFamily:
         self.kernels: dict[str, KernelBuilder] = {}
         self.lowerings: dict[str, Lowering] = {}
         self.elements: dict[str, ElementForm] = {}
+        self.batches: dict[str, BatchForm] = {}
 
     def kernel(self, *types: str) -> Callable[[KernelBuilder], KernelBuilder]:
         """Register a kernel builder for one or more op types."""
@@ -52,6 +53,11 @@ class OpFamily:
         """Register how op `type` computes one element (fluidps.ops.lowering.ElementForm):
         the compiler fuses runs of such ops into one loop. The op needs a lowering too."""
         self._registrar(self.elements, (type,), "element forms")(form)
+
+    def batched(self, type: str, form: BatchForm) -> None:
+        """Register how consecutive ops `type` run as one loop over their parameters
+        (fluidps.ops.lowering.BatchForm). The op needs a lowering too."""
+        self._registrar(self.batches, (type,), "batch forms")(form)
 
     def _registrar(self, table: dict[str, Any], types: tuple[str, ...], what: str) -> Callable[[Any], Any]:
         def register(fn: Any) -> Any:
@@ -100,6 +106,7 @@ class OpRegistry(Mapping[str, OpSchema]):
         kernels: dict[str, KernelBuilder] = {}
         lowerings: dict[str, Lowering] = {}
         elements: dict[str, ElementForm] = {}
+        batches: dict[str, BatchForm] = {}
         for family in families:
             for schema in family.schemas:
                 if schema.type in schemas:
@@ -121,6 +128,12 @@ class OpRegistry(Mapping[str, OpSchema]):
                         f"op {op_type!r} needs one lowering and at most one element form ({family.name})"
                     )
                 elements[op_type] = form
+            for op_type, batch in family.batches.items():
+                if op_type in batches or op_type not in family.lowerings:
+                    raise ProgramError(
+                        f"op {op_type!r} needs one lowering and at most one batch form ({family.name})"
+                    )
+                batches[op_type] = batch
         for schema in list(schemas.values()):
             if isinstance(schema.grad, GradSpec) and schema.type + "_grad" not in schemas:
                 schemas[schema.type + "_grad"] = grad_schema(schema, schema.grad)
@@ -131,6 +144,7 @@ class OpRegistry(Mapping[str, OpSchema]):
         self._kernels = MappingProxyType(kernels)
         self._lowerings = MappingProxyType(lowerings)
         self._elements = MappingProxyType(elements)
+        self._batches = MappingProxyType(batches)
 
     def __getitem__(self, type: str) -> OpSchema:
         return self._schemas[type]
@@ -178,6 +192,10 @@ class OpRegistry(Mapping[str, OpSchema]):
             return None
         self._check_implemented(op, self.schema(op.type))
         return form
+
+    def batch_form(self, type: str) -> BatchForm | None:
+        """How consecutive ops `type` run as one loop over their parameters, if they can."""
+        return self._batches.get(type)
 
     def build_kernel(self, op: Operator, runtime: KernelRuntime | None = None) -> Runner:
         """The runner of `op`: its kernel builder applied to the op. Kernels of ops that

@@ -18,6 +18,7 @@ from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops.defs import Compat, Extra, In, Int, Ints, Out, Str, backend_hints
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.lowering import LoweringOp, NotLowerable, dims, shape
 from fluidps.ops.registry import OpFamily
 
 family = OpFamily("shape")
@@ -336,3 +337,83 @@ def _transpose2_grad_kernel(op: KernelOp) -> Runner:
         env[dx_name] = contiguous(np.transpose(dout, inverse))
 
     return run
+
+
+# -- lowerings: the same views and copies in compiled code -------------------------------------
+
+
+def _persistable_input(op: LoweringOp, slot: str) -> bool:
+    return bool(op.variable(op.op.input(slot)[0]).persistable)
+
+
+@family.lowering("reshape2")
+def _reshape2_lowering(op: LoweringOp) -> None:
+    op.require_dense("X", "Out")
+    x, rank = op.input("X"), op.rank("X")
+    target = list(op.attr("shape"))
+    if any(d == 0 for d in target) and len(target) > rank:
+        raise NotLowerable("a 0 in shape past X's dimensions")
+    parts = [f"{x}.shape[{i}]" if d == 0 else str(d) for i, d in enumerate(target)]
+    if -1 in target:  # numpy resolves it, but not beside a 0 (an empty batch): the kernel does
+        op.emit(f"if {x}.size == 0:")
+        op.emit("    raise ValueError('reshape2: an empty X, with a -1 in shape')")
+    view = f"{x}.reshape({shape(parts)})"
+    # As the kernel: a parameter's view would change when an optimizer updates it in place.
+    op.emit(
+        f"{op.output('Out')} = {view}.copy()"
+        if _persistable_input(op, "X")
+        else f"{op.output('Out')} = {view}"
+    )
+    if (xshape := op.output("XShape")) is not None:
+        op.emit(f"{xshape} = np.empty({shape(['0', *dims(x, range(rank))])}, {x}.dtype)")
+
+
+@family.lowering("reshape2_grad")
+def _reshape2_grad_lowering(op: LoweringOp) -> None:
+    op.require_dense("Out@GRAD", "X@GRAD")
+    xshape, rank = op.input("XShape"), op.rank("XShape")
+    target = shape([f"{xshape}.shape[{i}]" for i in range(1, rank)])
+    op.emit(f"{op.output('X@GRAD')} = np.ascontiguousarray({op.input('Out@GRAD')}).reshape({target})")
+
+
+def _concat_axis(op: LoweringOp) -> tuple[int, int]:
+    """(axis, rank): as declared by the first input."""
+    first = op.variable(op.op.input("X")[0])
+    if first.shape is None:
+        raise NotLowerable("X has no declared shape")
+    rank, axis = len(first.shape), op.attr("axis")
+    if op.has_input("AxisTensor"):
+        raise NotLowerable("its axis is a tensor")
+    return (axis + rank if axis < 0 else axis), rank
+
+
+def _along(local: str, axis: int, rank: int, start: str, stop: str) -> str:
+    """`local[..., start:stop, ...]` along dimension `axis`."""
+    index = [":"] * rank
+    index[axis] = f"{start}:{stop}"
+    return f"{local}[{', '.join(index)}]"
+
+
+@family.lowering("concat")
+def _concat_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
+    op.require_dense("X", "Out")
+    xs = op.inputs("X")
+    axis, _ = _concat_axis(op)
+    op.emit(f"{op.output('Out')} = np.concatenate(({', '.join(xs)},), axis={axis})")
+
+
+@family.lowering("concat_grad")
+def _concat_grad_lowering(op: LoweringOp) -> None:
+    op.require_dense("X", "Out@GRAD", "X@GRAD")
+    xs, dout = op.inputs("X"), op.input("Out@GRAD")
+    axis, rank = _concat_axis(op)
+    offset = op.temp()
+    op.emit(f"{offset} = 0")
+    for i, (x, dx) in enumerate(zip(xs, op.outputs("X@GRAD"), strict=True)):
+        last = i == len(xs) - 1  # as np.split: the last part is the rest
+        stop = "" if last else f"{offset} + {x}.shape[{axis}]"
+        if dx is not None:
+            op.emit(f"{dx} = np.ascontiguousarray({_along(dout, axis, rank, offset, stop)})")
+        if not last:
+            op.emit(f"{offset} = {stop}")

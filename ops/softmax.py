@@ -513,3 +513,21 @@ def _softmax_ce_grad_lowering(op: LoweringOp) -> None:
         str(lay.ignore),
     )
     op.emit(f"{op.output('Logits@GRAD')} = {grad}.reshape({lay.local}.shape)")
+
+
+@family.lowering("softmax")
+def _softmax_lowering(op: LoweringOp) -> None:
+    op.new_arrays()
+    op.require_dense("X", "Out")
+    x, rank = op.input("X"), op.rank("X")
+    axis = _axis(op.attr("axis"), rank)
+    if rank == 0:
+        raise NotLowerable("X is a scalar")
+    three = shape(
+        [product(dims(x, range(axis))), f"{x}.shape[{axis}]", product(dims(x, range(axis + 1, rank)))]
+    )
+    out = op.output("Out")
+    op.emit(f"if {x}.size == 0:")  # as the kernel: nothing to normalize
+    op.emit(f"    {out} = {x}.copy()")
+    op.emit("else:")
+    op.emit(f"    {out} = {op.call(_softmax, f'{x}.reshape({three})')}.reshape({x}.shape)")

@@ -98,7 +98,7 @@ class OpProgram:
                 block.create_var(name)
         self.in_slots = in_slots
         self.op = REGISTRY.append_op(block, op_type, in_slots, self.out_slots, attrs)
-        self.exe = fluidps.Executor()
+        self.exe = fluidps.Executor(compile=False)  # the interpreter: the reference
 
     def run(
         self,

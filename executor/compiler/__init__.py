@@ -10,6 +10,7 @@ stay with the interpreter, between segments (fluidps.executor.block_runner).
 
 - codegen.py:  one segment's source: its inputs, its statements, what it returns
 - fusion.py:   runs of elementwise ops as one loop each (bias + activation, their grads)
+- batching.py: updates of many parameters (sgd, adam) as one loop over them
 - buffers.py:  liveness over a segment: a run stores its outputs in arrays dead by then
 - cache.py:    the generated modules on disk, so that numba's cache serves a new process
 - segments.py: which ops form segments, and the compiled callables

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fluidps.executor.compiler import buffers, fusion
+from fluidps.executor.compiler import batching, buffers, fusion
 from fluidps.ir.operator import Operator
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops import REGISTRY
@@ -57,10 +57,10 @@ class Layout:
     """A segment planned: its items (ops, fused runs), its inputs, its single ops lowered,
     the arrays its runs take over, and what each run reads after it."""
 
-    items: list[fusion.Run | Operator]
+    items: list[fusion.Run | Operator | batching.Batch]
     reads: list[str]
     written: set[str]
-    single: dict[int, LoweringOp]
+    single: dict[int, LoweringOp | batching.Batch]
     reuses: dict[int, dict[str, buffers.Reuse]]
     needed_after: Callable[[str], bool]
 
@@ -98,11 +98,13 @@ def layout(
                     names.local(name)
             written.update(n for n in op.output_arg_names if n != EMPTY_VAR_NAME)
     # Single ops first: whether their outputs are new arrays decides which arrays runs may reuse.
-    single = {
+    single: dict[int, LoweringOp | batching.Batch] = {
         k: REGISTRY.lower(item, names.local, names.helper)
         for k, item in enumerate(items)
         if not isinstance(item, fusion.Run)
     }
+    if fuse:  # neighbouring updates of many parameters as one loop
+        items, single = batching.batch(items, single)
     fresh = [k not in single or single[k].fresh for k in range(len(items))]
     reuses = buffers.plan(items, fresh, set(reads), needed_after)
     return Layout(items, reads, written, single, reuses, needed_after)
@@ -127,7 +129,12 @@ def generate(
                 item, names.local, names.helper, names.fresh, plan.read_after(k), plan.reuses.get(k, {})
             )
         else:
-            body.append(f"    # {item.type}")
+            what = (
+                f"{item.type} of {len(item.ops)} parameters"
+                if isinstance(item, batching.Batch)
+                else item.type
+            )
+            body.append(f"    # {what}")
             lines = plan.single[k].lines
         body += [f"    {line}" for line in lines]
     outputs = [n for n in names.locals if n in written and needed_after(n)]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from fluidps.executor.compiler.batching import Batch
 from fluidps.ir.operator import Operator
 from fluidps.ir.types import EMPTY_VAR_NAME, VarType, to_numpy_dtype
 from fluidps.ops import REGISTRY
@@ -328,9 +329,11 @@ def describe(run: Run) -> str:
     return "+".join(m.op.type for m in run.members)
 
 
-def ops_of(item: Run | Operator) -> list[Operator]:
-    """The ops of a run, or the one op."""
-    return [m.op for m in item.members] if isinstance(item, Run) else [item]
+def ops_of(item: Run | Operator | Batch) -> list[Operator]:
+    """The ops of a run or a batch of updates, or the one op."""
+    if isinstance(item, Run):
+        return [m.op for m in item.members]
+    return list(item.ops) if isinstance(item, Batch) else [item]
 
 
 def _dtype(member: Elementwise, name: str) -> str:

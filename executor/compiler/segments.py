@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from fluidps.executor.compiler import fusion
+from fluidps.executor.compiler.batching import Batch
 from fluidps.executor.compiler.cache import ModuleCache
 from fluidps.executor.compiler.codegen import FUNCTION, generate, layout
 from fluidps.ir.program import Block
@@ -48,12 +50,13 @@ def lowerable(block: Block) -> list[bool]:
     return [why is None for why in why_not_lowered(block)]
 
 
-def explain(block: Block, min_ops: int = MIN_OPS) -> str:
+def explain(block: Block, min_ops: int = MIN_OPS, fuse: bool = True) -> str:
     """Which ops of `block` run compiled, in which segments (elementwise runs fused into
     one loop in brackets, with the arrays they never store and those they store in arrays
-    dead by then), and why the others do not. (A fetched variable is stored too.)"""
+    dead by then; updates of many parameters batched into one loop in braces), and why the
+    others do not. (A fetched variable is stored too.) `fuse`: as Compiler.fuse."""
     reasons = why_not_lowered(block)
-    persistable = {n for n, v in block.vars.items() if v.persistable}
+    outlives = outlives_block(block)
     segments = runs([r is None for r in reasons], stateful(block), min_ops)
     starts = dict(segments)
     covered = sum(stop - start for start, stop in segments)
@@ -63,11 +66,9 @@ def explain(block: Block, min_ops: int = MIN_OPS) -> str:
         if i in starts:
             stop = starts[i]
             later = {n for op in block.ops[stop:] for n in op.input_arg_names}
-            plan = layout(block.ops[i:stop], lambda n, r=later: n in r or n in persistable)
+            plan = layout(block.ops[i:stop], lambda n, r=later: n in r or outlives(n), fuse)
             items = plan.items
-            kinds = ", ".join(
-                f"[{fusion.describe(x)}]" if isinstance(x, fusion.Run) else x.type for x in items
-            )
+            kinds = ", ".join(_describe(x) for x in items)
             fused = ""
             if runs_ := [x for x in items if isinstance(x, fusion.Run)]:
                 unstored = plan.unstored()
@@ -86,6 +87,28 @@ def explain(block: Block, min_ops: int = MIN_OPS) -> str:
     return "\n".join(lines)
 
 
+def _describe(item: object) -> str:
+    """An item of a segment as explain shows it: [a+b] a fused run, {sgd x3} a batch."""
+    if isinstance(item, fusion.Run):
+        return f"[{fusion.describe(item)}]"
+    if isinstance(item, Batch):
+        return f"{{{item.type} x{len(item.ops)}}}"
+    return item.type
+
+
+def _persistable(block: Block, name: str) -> bool:
+    var = block.find_var(name)  # a sub-block's own, or an enclosing block's
+    return var is not None and var.persistable
+
+
+def outlives_block(block: Block) -> Callable[[str], bool]:
+    """Whether a variable's value is wanted after `block` runs, whatever its ops read:
+    persistable state, and in a sub-block (a pserver's optimize block) every variable an
+    enclosing block declares, which other blocks may read (a learning rate)."""
+    own = block.vars
+    return lambda name: _persistable(block, name) or (block.idx > 0 and name not in own)
+
+
 def stateful(block: Block) -> list[bool]:
     """Per op of `block`: whether it writes persistable state (an optimizer's update)."""
     return [
@@ -95,20 +118,24 @@ def stateful(block: Block) -> list[bool]:
 
 
 def runs(lowered: list[bool], writes_state: list[bool], min_ops: int = MIN_OPS) -> list[tuple[int, int]]:
-    """Maximal runs of lowered ops, of at least `min_ops`, as (start, stop). Ops that write
-    persistable state run in segments of their own: a segment without them can be run
-    again by the interpreter, when it fails, to say which op failed and why."""
+    """Runs of lowered ops, of at least `min_ops`, as (start, stop). Within a maximal run,
+    the ops from its first to its last that write persistable state (an optimizer's
+    updates, and what they compute between them: a parameter's own learning rate) form
+    a segment of their own: a segment without them can be run again by the interpreter,
+    when it fails, to say which op failed and why."""
     out: list[tuple[int, int]] = []
-    start = None
-    for i in range(len(lowered) + 1):
-        ends = i == len(lowered) or not lowered[i]
-        ends = ends or (start is not None and writes_state[i] != writes_state[start])
-        if ends and start is not None:
-            if i - start >= min_ops:
-                out.append((start, i))
-            start = None
-        if i < len(lowered) and lowered[i] and start is None:
-            start = i
+    i = 0
+    while i < len(lowered):
+        if not lowered[i]:
+            i += 1
+            continue
+        stop = i
+        while stop < len(lowered) and lowered[stop]:
+            stop += 1
+        stateful = [k for k in range(i, stop) if writes_state[k]]
+        cuts = [i, stateful[0], stateful[-1] + 1, stop] if stateful else [i, stop]
+        out += [(a, b) for a, b in itertools.pairwise(cuts) if b - a >= min_ops]
+        i = stop
     return out
 
 
@@ -116,25 +143,25 @@ def runs(lowered: list[bool], writes_state: list[bool], min_ops: int = MIN_OPS) 
 class Compiler:
     """How an Executor compiles: where generated code is kept, the fewest ops a
     segment has (a lone op gains little from a compiled call of its own; tests that
-    check one op's compiled form set 1), and whether elementwise runs fuse."""
+    check one op's compiled form set 1), and whether elementwise runs fuse (and updates
+    of many parameters batch)."""
 
     cache: ModuleCache
     min_ops: int = MIN_OPS
-    fuse: bool = True  # elementwise runs as one loop each (fluidps.executor.compiler.fusion)
+    fuse: bool = True  # elementwise runs as one loop each (.fusion), neighbouring updates too (.batching)
 
 
 def compile_block(block: Block, compiler: Compiler, keep: Collection[str] = ()) -> list[Segment]:
     """The compiled segments of `block`. `keep`: variables wanted after the block runs
     besides persistable ones (its fetches)."""
-    persistable = {n for n, v in block.vars.items() if v.persistable}
+    outlives = outlives_block(block)
     segments = []
     for start, stop in runs(lowerable(block), stateful(block), compiler.min_ops):
         later_reads = {n for op in block.ops[stop:] for n in op.input_arg_names if n != EMPTY_VAR_NAME}
-        source = generate(
-            block.ops[start:stop], (later_reads | persistable | set(keep)).__contains__, compiler.fuse
-        )
+        wanted = later_reads | set(keep)
+        source = generate(block.ops[start:stop], lambda n, w=wanted: n in w or outlives(n), compiler.fuse)
         module = compiler.cache.load(source.text, source.helper_sources)
-        in_place = [n for n in source.inputs if n in source.outputs and n in persistable]
+        in_place = [n for n in source.inputs if n in source.outputs and _persistable(block, n)]
         segments.append(
             Segment(start, stop, source.inputs, source.outputs, getattr(module, FUNCTION), in_place)
         )

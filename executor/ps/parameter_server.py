@@ -52,6 +52,7 @@ from fluidps.ops.selected_rows import SelectedRows
 from fluidps.ops.sparse_table import SparseTable
 
 if TYPE_CHECKING:
+    from fluidps.executor.block_runner import BlockRunner
     from fluidps.executor.ps.host import PserverHost
 
 IDLE_TIMEOUT = 3600.0  # seconds without any message while trainers are live
@@ -228,6 +229,10 @@ class ParameterServer:
         previous = signal.signal(signal.SIGTERM, on_sigterm)
         return signal.SIG_DFL if previous in (None, signal.SIG_IGN) else previous
 
+    def _runners(self) -> list[BlockRunner]:
+        """The runners of its optimize blocks and learning-rate block."""
+        return [*self.blocks.values(), *([self.lr_block] if self.lr_block is not None else [])]
+
     def stats(self, compact: bool = False) -> dict[str, Any]:
         """Counters, clocks and logs (copies: a snapshot). `compact` (for the wire): the
         last WIRE_CLOCK_EVENTS clock events, and the rows each sparse gradient brought
@@ -258,6 +263,7 @@ class ParameterServer:
                 n: v.stats() for n in self.served if isinstance(v := self.env.get(n), SparseTable)
             },
             "rss_bytes": resident_bytes(),
+            "compiled_ops": sum(r.compiled_ops for r in self._runners()),  # 0: interpreted
             "max_message_bytes": self.settings.message_limit,
         }
         if rows is not None:

@@ -7,5 +7,6 @@ them (cluster.py), and the executor server `fluidps serve` runs (executor_server
 a local Executor driven over the wire.
 
 May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops, fluidps.transpiler,
-fluidps.executor, fluidps.executor.transport, fluidps.executor.launch.processes, fluidps.profiling
+fluidps.executor, fluidps.executor.transport, fluidps.executor.launch.processes,
+fluidps.executor.launch.kubernetes, fluidps.profiling
 """

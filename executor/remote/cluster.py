@@ -41,6 +41,14 @@ class Node:
     process: ServeProcess | None  # None: a server someone else runs
 
 
+def _serve_flags(job: JobDesc) -> list[str]:
+    """`fluidps serve` flags for what the job asks of every executor server."""
+    flags = ["--profile"] if job.profile else []
+    if job.compile is not None:
+        flags.append("--compile" if job.compile else "--no-compile")
+    return flags
+
+
 class Cluster:
     def __init__(self, job: JobDesc, settings: RpcSettings):
         self.settings = settings
@@ -78,7 +86,7 @@ class Cluster:
                     job.insecure,
                     job.peer_timeout,
                     threads,
-                    extra_args=["--profile"] if job.profile else None,
+                    extra_args=_serve_flags(job),
                 )
                 self.processes.append(started[name])
         deadline = time.monotonic() + job.start_timeout

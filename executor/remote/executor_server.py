@@ -44,11 +44,18 @@ class _Finished:
 
 
 class ExecutorServer:
-    def __init__(self, endpoint: str, config: RuntimeConfig | None = None, name: str | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        config: RuntimeConfig | None = None,
+        name: str | None = None,
+        compile: bool | None = None,
+    ):
         self.config = config or RuntimeConfig()  # what the programs it runs take part in a job with
+        self.compile = compile  # its executors' (None: FLUIDPS_COMPILE decides)
         self.settings = self.config.rpc
         self.name = name or f"executor server {endpoint}"
-        self.exe = Executor(runtime_config=self.config)
+        self.exe = Executor(runtime_config=self.config, compile=self.compile)
         self.programs: dict[str, Program] = {}
         self._context = zmq.Context()
         self.server = RpcServer(self._context, endpoint, self.name, self.settings)
@@ -174,7 +181,7 @@ class ExecutorServer:
         problems = self.exe.close()
         if problems:
             print(f"{self.name}: on reset: {'; '.join(problems)}", flush=True)
-        self.exe = Executor(runtime_config=self.config)
+        self.exe = Executor(runtime_config=self.config, compile=self.compile)
         self.programs.clear()
         self._stale = False
         self._background, self._background_error = None, None
@@ -211,6 +218,7 @@ class ExecutorServer:
             "pservers": servers,
             "rss_bytes": resident_bytes(),
             "most_runs_held": self._most_unanswered,
+            "compiled_ops": self.exe.compiled_ops(),  # 0 when its executor interprets
             **({"profile": runtime.profile.report()} if runtime is not None and runtime.profile else {}),
         }
 

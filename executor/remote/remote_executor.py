@@ -48,6 +48,7 @@ import numpy as np
 from fluidps.endpoints import free_endpoints, parse_endpoints
 from fluidps.errors import BuilderError, EOFException, Error, ExecutionError, UnsupportedError
 from fluidps.executor.executor import Executor, FetchTarget, _fetch_name
+from fluidps.executor.launch.kubernetes import KubernetesCluster, KubernetesJob, Resources, render
 from fluidps.executor.remote.batches import batch_size, combine_fetches, split_feed
 from fluidps.executor.remote.cluster import Cluster
 from fluidps.executor.remote.executor_server import REFRESH
@@ -79,7 +80,10 @@ class JobDesc:
     starts record where their time goes (`fluidps serve --profile`), and so does this
     client; RemoteExecutor.profile() collects it. `prefetch_batches`: how many steps
     RemoteExecutor.run_batches keeps in flight (1: a step is sent once the one before
-    it is answered).
+    it is answered). `compile`: the servers it starts run their programs as numba-compiled
+    segments (fluidps.Executor(compile=True); a pserver's optimize blocks too), or
+    interpreted; None: as FLUIDPS_COMPILE says in their environment (inherited from this
+    process). Servers someone else runs decide for themselves (`fluidps serve --compile`).
     """
 
     pservers: int = 1
@@ -97,10 +101,18 @@ class JobDesc:
     log_dir: str | None = None
     profile: bool = False  # every process records where its time goes: exe.profile()
     prefetch_batches: int = 2  # steps run_batches keeps in flight
+    compile: bool | None = None  # the servers' executors compile their blocks
+    name: str = "fluidps"  # on a cluster, its objects are named after it (to_kubernetes)
+    resources: Resources = field(default_factory=Resources)  # each pod's cpu / memory (to_kubernetes)
+    gang: bool = False  # on a cluster, all pods are scheduled together or none (to_kubernetes)
 
     def __post_init__(self) -> None:
-        if self.pservers < 1 or self.trainers < 1:
-            raise BuilderError(f"a job needs at least one pserver and one trainer, got {self}")
+        for field_name in ("pservers", "trainers"):
+            count = getattr(self, field_name)
+            if not isinstance(count, int) or count < 1:
+                raise BuilderError(
+                    f"{field_name}={count!r}: a job needs at least one pserver and one trainer"
+                )
         if self.prefetch_batches < 1:
             raise BuilderError(
                 f"prefetch_batches must be >= 1 (1: no batch is sent ahead), got {self.prefetch_batches}"
@@ -122,6 +134,38 @@ class JobDesc:
         if self.pserver_endpoints:
             parse_endpoints(list(self.pserver_endpoints), "pserver_endpoints")
         self.transpiler_config()  # a bad mode fails here, not at the first step
+
+    def to_kubernetes(
+        self, cluster: KubernetesCluster | None = None, dataset: str | None = None, **cluster_fields: Any
+    ) -> list[dict[str, Any]]:
+        """This job as Kubernetes objects (plain dicts: fluidps.executor.launch.kubernetes),
+        its pods running `cluster.command` the Fluid way. Give a KubernetesCluster or its
+        fields (image=..., namespace=..., command=...). `dataset`: the path, inside the
+        trainers' pods, of the dataset they read through a coordinator. Raises a
+        BuilderError naming a field that breaks a rule, before rendering anything."""
+        if cluster is None:
+            if "image" not in cluster_fields:
+                raise BuilderError("to_kubernetes needs a KubernetesCluster or image=...")
+            cluster_fields["command"] = tuple(cluster_fields.get("command", ()))
+            cluster = KubernetesCluster(**cluster_fields)
+        elif cluster_fields:
+            raise BuilderError(
+                f"give a KubernetesCluster or its fields, not both ({', '.join(cluster_fields)})"
+            )
+        job = KubernetesJob(
+            name=self.name,
+            pservers=self.pservers,
+            trainers=self.trainers,
+            cluster=cluster,
+            mode=self.transpiler_config().mode,
+            keys_dir=self.keys_dir,
+            insecure=self.insecure,
+            peer_timeout=self.peer_timeout,
+            resources=self.resources,
+            gang=self.gang,
+            dataset=dataset,
+        )
+        return render(job)
 
     def transpiler_config(self) -> DistributeTranspilerConfig:
         return self.config if self.mode is None else replace(self.config, mode=self.mode)
@@ -159,7 +203,7 @@ class RemoteExecutor:
     def __init__(self, job: JobDesc | None = None, place: Any = None):
         self.job = job or JobDesc()
         self.place = place  # accepted for Fluid compatibility
-        self._local = Executor()  # runs startup and test programs
+        self._local = Executor(compile=self.job.compile)  # runs startup and test programs
         self.scope = RemoteScope(self._local.scope)
         self._startup: Program | None = None
         self._deployment: Deployment | None = None

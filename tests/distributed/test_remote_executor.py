@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -91,15 +92,19 @@ def _assert_gone(pids: dict[str, int]) -> None:
             pytest.fail(f"{name} (pid {pid}) outlived its RemoteExecutor")
 
 
-def test_sync_job_of_two_trainers_and_two_pservers_matches_local_training():
+@pytest.mark.parametrize("compiled", [False, True], ids=["interpreted", "compiled"])
+def test_sync_job_of_two_trainers_and_two_pservers_matches_local_training(compiled, tmp_path):
+    """Compiled: the trainers run their programs' compute as compiled segments and the
+    pservers their optimize blocks, and train as local (interpreted) training does."""
     main, startup, loss, test_program, logits = _mlp()
     batches = _mlp_batches(6)
-    local = fluidps.Executor()
+    local = fluidps.Executor(compile=False)
     local.run(startup)
     expected = [local.run(main, feed=b, fetch_list=[loss, logits]) for b in batches]
 
-    job = fluidps.JobDesc(pservers=2, trainers=2, config=SLICED)
-    with fluidps.RemoteExecutor(job) as exe:
+    job = fluidps.JobDesc(pservers=2, trainers=2, config=SLICED, compile=compiled)
+    env = {"FLUIDPS_CACHE_DIR": str(tmp_path / "compiled")}  # the servers inherit it: a cold cache
+    with mock.patch.dict(os.environ, env), fluidps.RemoteExecutor(job) as exe:
         pids = exe.server_pids
         assert sorted(pids) == ["pserver.0", "pserver.1", "trainer.0", "trainer.1"]
         exe.run(startup)
@@ -115,6 +120,14 @@ def test_sync_job_of_two_trainers_and_two_pservers_matches_local_training():
         np.testing.assert_allclose(remote_eval, local_eval, rtol=1e-5, atol=1e-6)
         stats = exe.pserver_stats()
         assert [s["completed_steps"] for s in stats.values()] == [len(batches)] * 2
+        # Compiled from the second step on: a trainer's forward, backward and (the job's
+        # loss being averaged) scale ops; each pserver's Adam updates and beta powers.
+        trainers_compiled = [t["compiled_ops"] for t in exe.trainer_stats()]
+        pservers_compiled = [s["compiled_ops"] for s in stats.values()]
+        if compiled:
+            assert min(trainers_compiled) > 10 and min(pservers_compiled) > 0
+        else:
+            assert trainers_compiled == [0, 0] and pservers_compiled == [0, 0]
     for (loss_got, logits_got), (loss_want, logits_want) in zip(got, expected, strict=True):
         # The loss is averaged over trainers; per-example logits come back concatenated.
         np.testing.assert_allclose(loss_got, loss_want, rtol=1e-5)

@@ -120,13 +120,20 @@ def test_distributed_bench_quick_smoke_run():
     training = [r for r in rest if r["bench"] == "digits_mlp"]
     bandwidth = [r for r in rest if r["bench"] == "bandwidth"]
     assert len(training) + len(bandwidth) == len(rest)
-    assert [(r["mode"], r["trainers"], r["pservers"], r.get("runner")) for r in training] == [
-        ("local", 1, 0, None),
-        ("sync", 1, 1, "RemoteExecutor"),
-        ("sync", 1, 1, "fluidps launch"),  # the same job, each trainer feeding itself
+    assert [(r["executor"], r["mode"], r["trainers"], r["pservers"], r.get("runner")) for r in training] == [
+        (executor, *job)
+        for executor in ("interpreted", "compiled")  # every process's Executor compiles, then
+        for job in (
+            ("local", 1, 0, None),
+            ("sync", 1, 1, "RemoteExecutor"),
+            ("sync", 1, 1, "fluidps launch"),  # the same job, each trainer feeding itself
+        )
     ]
     common = {"global_batch", "samples_per_s", "steps", "loss", "model", "optimizer", "processes", "cores"}
-    local, job, launched = training
+    local, job, launched = training[:3]
+    for compiled, interpreted in zip(training[3:], training[:3], strict=True):
+        # The same batches to the same parameters, interpreted or compiled (float32 rounding).
+        assert compiled["loss"] == pytest.approx(interpreted["loss"], rel=1e-3)
     assert common <= set(local) and common | {"warmup_steps", "setup_s", "stats_ms", "vs_local"} <= set(job)
     assert common | {"warmup_steps", "wall_s", "vs_local"} <= set(launched)
     assert launched["steps"] == job["steps"] and launched["samples_per_s"] > 0 and launched["loss"] > 0
@@ -159,6 +166,8 @@ def quick_remote_job(model: str, modes: str) -> list[str]:
         modes,
         "--runners",
         "RemoteExecutor",
+        "--executors",
+        "interpreted",
     ]
 
 

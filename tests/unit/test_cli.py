@@ -69,7 +69,7 @@ def test_inspect_plan_shows_the_compiled_segments(tmp_path):
     assert result.returncode == 0, result.stderr
     plan = result.stdout[result.stdout.index("\nblock 0: ") + 1 :]
     assert plan.startswith(f"block 0: {len(main.global_block().ops)} ops, ")
-    assert "one compiled call (mul, [elementwise_add+" in plan and "one compiled call (sgd, sgd" in plan
+    assert "one compiled call (mul, [elementwise_add+" in plan and "one compiled call ({sgd x" in plan
     assert "ops fused into" in plan
     data = json.loads(run("inspect", str(path), "--plan", "--json").stdout)
     assert data["plan"] == plan.strip().splitlines()

@@ -56,7 +56,7 @@ def _train(build, batches, steps, compiler):
     """Train `steps` steps; per step the loss and every parameter's gradient (a gradient
     one rounding off would not show in parameters an update barely moves)."""
     main, startup, loss = build()
-    exe = fluidps.Executor(compile=compiler)
+    exe = fluidps.Executor(compile=compiler or False)  # None: the interpreter
     exe.run(startup)
     fetch = [loss.name] + [p.name + "@GRAD" for p in main.all_parameters()]
     fetched = [exe.run(main, feed=batches[i % len(batches)], fetch_list=fetch) for i in range(steps)]
@@ -91,6 +91,38 @@ def test_training_compiled_is_training_interpreted_bit_for_bit(cache, sizes, act
     and batch sizes (the compiled code reads sizes at run time)."""
     batches = _batches(sizes, 8) + _batches(sizes, 3, seed=1)
     _assert_same_training(lambda: _classifier(sizes, act, opt), batches, 12, cache)
+
+
+def _per_parameter_rates(opt):
+    """An MLP whose second layer learns at its own rate (its own LearningRate variable)."""
+
+    def build():
+        main, startup = fluidps.Program(), fluidps.Program()
+        startup.random_seed = 5
+        with fluidps.program_guard(main, startup):
+            x = layers.data("x", [12])
+            y = layers.data("y", [1], dtype="int64")
+            h = layers.fc(x, 16, act="relu")
+            h = layers.fc(h, 16, act="tanh", param_attr=fluidps.ParamAttr(learning_rate=0.25))
+            loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 4), y))
+            (optimizer.Adam(0.02) if opt == "adam" else optimizer.SGD(0.2)).minimize(loss)
+        return main, startup, loss
+
+    return build
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_updates_of_many_parameters_run_as_one_loop_with_each_op_s_arithmetic(cache, opt):
+    """The six updates are one batch (one call looping over the parameters), each
+    parameter at its own learning rate and (adam) its own beta powers, bit for bit as
+    the interpreter's one op at a time."""
+    build = _per_parameter_rates(opt)
+    main, _, _ = build()
+    assert f"{{{opt} x6}}" in fluidps.Executor(compile=Compiler(cache)).explain(main)
+    sizes = [12, 16, 16, 4]
+    _assert_same_training(build, _batches(sizes, 8) + _batches(sizes, 5, seed=2), 6, cache)
+    unbatched = fluidps.Executor(compile=Compiler(cache, fuse=False)).explain(main)
+    assert f"{opt}, {opt}" in unbatched and "{" not in unbatched  # fuse=False: one op at a time
 
 
 def _elementwise(op_name):
@@ -248,7 +280,7 @@ def test_a_run_whose_operands_do_not_line_up_at_run_time_runs_interpreted(cache)
 
     def run(compiler):
         main, startup, out = build()
-        exe = fluidps.Executor(compile=compiler)
+        exe = fluidps.Executor(compile=compiler or False)  # None: the interpreter
         exe.run(startup)
         feeds = [(3, 3), (3, 3), (3, 1)]  # compiled at the second run; the third broadcasts b
         rng = np.random.default_rng(2)
@@ -276,7 +308,7 @@ def test_an_array_fetched_or_read_later_is_never_overwritten(cache):
 
     def fetch_hidden(compiler):
         main, startup, loss = _classifier(sizes)
-        exe = fluidps.Executor(compile=compiler)
+        exe = fluidps.Executor(compile=compiler or False)  # None: the interpreter
         exe.run(startup)
         wanted = [loss.name, "fc_0.tmp_2", "fc_0.tmp_0@GRAD"]
         return [exe.run(main, feed=batches[i % 4], fetch_list=wanted) for i in range(3)], exe, main
@@ -306,7 +338,7 @@ def test_a_gradient_of_an_operand_broadcast_at_run_time_is_the_interpreter_s(cac
             y = layers.elementwise_mul(b, w)
             loss = layers.mean(layers.elementwise_add(layers.fc(a, 4), y))
             optimizer.SGD(0.1).minimize(loss)
-        exe = fluidps.Executor(compile=compiler)
+        exe = fluidps.Executor(compile=compiler or False)  # None: the interpreter
         exe.run(startup)
         rng = np.random.default_rng(0)
         return [
@@ -330,7 +362,8 @@ def test_a_gradient_of_an_operand_broadcast_at_run_time_is_the_interpreter_s(cac
 def test_explain_names_the_segments_and_why_other_ops_run_interpreted():
     main, _, _ = _classifier([8, 16, 4])
     with fluidps.program_guard(main):
-        layers.accuracy(layers.softmax(main.global_block().var("fc_1.tmp_1")), main.global_block().var("y"))
+        probabilities = layers.softmax(main.global_block().var("fc_1.tmp_1"))
+        layers.accuracy(layers.cast(probabilities, "float64"), main.global_block().var("y"))
     text = fluidps.Executor(compile=True).explain(main)
     assert text.startswith(f"block 0: {len(main.global_block().ops)} ops, ")
     assert "one compiled call (mul, [elementwise_add+relu], mul" in text
@@ -339,8 +372,9 @@ def test_explain_names_the_segments_and_why_other_ops_run_interpreted():
     # ... and the hidden layer's gradient is written over its activations, dead by then
     assert "4 ops fused into 2 loops, 2 arrays never stored (128 bytes per batch row), " in text
     assert "1 stored in dead arrays (64 bytes per batch row)" in text
-    assert "op #" in text and "(top_k): interpreted: op 'top_k' has no lowering" in text
-    assert "one compiled call (sgd, sgd, sgd, sgd)" in text  # the updates: a segment of their own
+    assert "op #" in text and "(cast): interpreted: op 'cast' has no lowering" in text
+    assert "one compiled call (top_k, accuracy" in text
+    assert "one compiled call ({sgd x4})" in text  # the updates: one loop over the parameters
 
 
 def test_a_failure_in_a_compiled_segment_names_the_op(cache):
@@ -413,11 +447,17 @@ def test_a_second_process_loads_the_compiled_segments_from_the_cache(tmp_path):
     assert len(list(tmp_path.glob("*.py"))) == first["segments"]
 
 
-def test_fluidps_compile_in_the_environment_turns_the_compiler_on(monkeypatch, tmp_path):
-    monkeypatch.setenv("FLUIDPS_COMPILE", "1")
+def test_executors_compile_unless_fluidps_compile_is_0(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLUIDPS_COMPILE", raising=False)
     monkeypatch.setenv("FLUIDPS_CACHE_DIR", str(tmp_path))
-    exe = fluidps.Executor()
+    exe = fluidps.Executor()  # the default
     assert exe.compiler is not None and exe.compiler.cache.directory == tmp_path
+    monkeypatch.setenv("FLUIDPS_COMPILE", "1")
+    assert fluidps.Executor().compiler is not None
+    assert fluidps.Executor(compile=False).compiler is None  # the argument wins
+    monkeypatch.setenv("FLUIDPS_COMPILE", "0")
+    assert fluidps.Executor().compiler is None
+    assert fluidps.Executor(compile=True).compiler is not None
     monkeypatch.setenv("FLUIDPS_COMPILE", "yes")
     with pytest.raises(fluidps.BuilderError, match="FLUIDPS_COMPILE='yes' is invalid"):
         fluidps.Executor()

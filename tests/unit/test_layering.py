@@ -15,6 +15,7 @@ dependencies, and are not checked; imports inside functions are.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -220,16 +221,27 @@ print(" ".join(loaded))
 """
 
 
-def test_local_training_loads_no_zeromq_and_no_distributed_room():
+@pytest.mark.parametrize("compile_", ["1", "0"], ids=["compiled", "interpreted"])
+def test_local_training_loads_no_zeromq_and_no_distributed_room(compile_, tmp_path):
     # A fresh interpreter: this test process has long imported everything.
+    env = dict(os.environ, FLUIDPS_COMPILE=compile_, FLUIDPS_CACHE_DIR=str(tmp_path))
     result = subprocess.run(
-        [sys.executable, "-c", LOCAL_TRAINING], capture_output=True, text=True, timeout=300, cwd=ROOT.parent
+        [sys.executable, "-c", LOCAL_TRAINING],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT.parent,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     loaded = result.stdout.split()
     assert "zmq" not in loaded
-    # Of the rooms, only the two dataclasses a RuntimeConfig is made of (and their packages).
-    rooms = [m for m in loaded if m.count(".") >= 2 and m.split(".")[2] in ROOMS]
+    # The compiler room only where the executor compiles (the default) ...
+    assert ("fluidps.executor.compiler.segments" in loaded) == (compile_ == "1")
+    # ... and of the others, only the two dataclasses a RuntimeConfig is made of (and their packages).
+    rooms = [
+        m for m in loaded if m.count(".") >= 2 and m.split(".")[2] in ROOMS and m.split(".")[2] != "compiler"
+    ]
     assert rooms == [
         "fluidps.executor.ps",
         "fluidps.executor.ps.checkpointer",
@@ -245,3 +257,17 @@ def test_remote_names_still_come_from_the_top_level(name):
 
     assert getattr(fluidps, name) is getattr(remote_executor, name)
     assert name in fluidps.__all__
+
+
+def test_every_package_directory_is_in_the_wheel():
+    """pyproject lists the packages explicitly (the repository root is the package): a
+    directory left out would be missing from a wheel, though an editable install finds it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        "fluidps" + "".join("." + part for part in path.parent.relative_to(ROOT).parts)
+        for path in ROOT.rglob("__init__.py")
+        if not path.relative_to(ROOT).parts[0].startswith((".", "tests", "bench"))
+    }
+    assert found == listed

@@ -330,6 +330,7 @@ def test_executor_uses_no_pickle_recv_pyobj_or_eval():
         source = path.read_text()
         tree = ast.parse(source, str(path))
         # A parameter may bear a builtin's name (Executor(compile=True)): its uses are its own.
+        # So may a field (JobDesc.compile): naming it (a store) runs nothing.
         parameters = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
         for node in ast.walk(tree):
             where = f"{path.name}:{getattr(node, 'lineno', '?')}"
@@ -337,7 +338,11 @@ def test_executor_uses_no_pickle_recv_pyobj_or_eval():
                 modules = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 if any(m.split(".")[0] in FORBIDDEN_MODULES for m in modules):
                     problems.append(f"{where} imports {modules}")
-            elif isinstance(node, ast.Name) and node.id in (FORBIDDEN_CALLS - parameters) | FORBIDDEN_MODULES:
+            elif (
+                isinstance(node, ast.Name)
+                and isinstance(node.ctx, ast.Load)
+                and node.id in (FORBIDDEN_CALLS - parameters) | FORBIDDEN_MODULES
+            ):
                 problems.append(f"{where} uses {node.id}")
             elif isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRIBUTES:
                 problems.append(f"{where} uses .{node.attr}")
