@@ -4,16 +4,28 @@ on 127.0.0.1, keeps what was created, and plays the Job controller's part that t
 client watches: each Indexed Job gets its pods, named and labelled as Kubernetes names
 and labels them, whose phase and readiness a test decides (`pod_state`).
 
+With a `LocalKubelet`, the pods run for real, here: each pod's container command is
+started as a process with the environment the kubelet would give it, and its own
+loopback address (127.0.x.y) as its pod IP, so that every pod listens on the same port
+as in a cluster; a pod is ready once its port accepts connections (its readiness probe),
+and deleting its Job stops it.
+
 It is not Kubernetes: it checks no schema (tests/unit/test_kubernetes.py does, with
-Kubernetes' own), runs nothing, and knows only these calls."""
+Kubernetes' own), and knows only these calls."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
@@ -37,14 +49,95 @@ def _matches(labels: dict[str, str], selector: str | None) -> bool:
     return all(labels.get(k) == v for k, _, v in (part.partition("=") for part in selector.split(",")))
 
 
+class LocalKubelet:
+    """Runs each pod of a created Job as a local process (see the module's docstring)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.processes: dict[
+            tuple[str, int], tuple[subprocess.Popen, str, int]
+        ] = {}  # -> (process, ip, port)
+        self._next_ip = 0
+
+    def start(self, job: dict[str, Any], configmaps: dict[str, dict[str, Any]]) -> None:
+        template = job["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        port = container["ports"][0]["containerPort"]
+        for index in range(job["spec"]["completions"]):
+            self._next_ip += 1
+            ip = f"127.0.{10 + self._next_ip // 250}.{1 + self._next_ip % 250}"
+            env: dict[str, str] = {}
+            for source in container.get("envFrom", []):
+                env.update(configmaps[source["configMapRef"]["name"]]["data"])
+            for var in container.get("env", []):
+                if "value" in var:
+                    env[var["name"]] = _expand(var["value"], env)
+                    continue
+                path = var["valueFrom"]["fieldRef"]["fieldPath"]
+                env[var["name"]] = (
+                    ip if path == "status.podIP" else str(index)
+                )  # (else: the index annotation)
+            command = [_expand(part, env) for part in container["command"]]
+            if command[0] == "fluidps":  # the image's console script: this interpreter's here
+                command = [sys.executable, "-m", "fluidps", *command[1:]]
+            name = f"{job['metadata']['name']}-{index}"
+            with open(self.log_dir / f"{name}.log", "wb") as log:
+                process = subprocess.Popen(
+                    command,
+                    env={**os.environ, **env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            self.processes[(job["metadata"]["name"], index)] = (process, ip, port)
+
+    def state(self, job_name: str, index: int) -> tuple[PodState, str | None]:
+        entry = self.processes.get((job_name, index))
+        if entry is None:
+            return ("Pending", False, None, ""), None
+        process, ip, port = entry
+        log = (self.log_dir / f"{job_name}-{index}.log").read_text(errors="replace")
+        status = process.poll()
+        if status is not None:
+            return ("Succeeded" if status == 0 else "Failed", False, status, log), ip
+        try:
+            socket.create_connection((ip, port), timeout=0.2).close()  # the readiness probe
+            return ("Running", True, None, log), ip
+        except OSError:
+            return ("Running", False, None, log), ip
+
+    def stop(self, job_name: str) -> None:
+        for (name, index), (process, _, _) in list(self.processes.items()):
+            if name == job_name:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+                del self.processes[(name, index)]
+
+    def stop_all(self) -> None:
+        for name in {name for name, _ in self.processes}:
+            self.stop(name)
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """$(VAR) references to variables defined before, expanded as the kubelet does."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)
+
+
 class FakeApiServer:
     """`pod_state(role, index, polls)` decides each pod's state when it is listed (`polls`:
-    how many times the pods were listed before); default: running and ready."""
+    how many times the pods were listed before); default: running and ready. With a
+    `kubelet`, the pods run (LocalKubelet) and their state is their process's."""
 
-    def __init__(self, pod_state: Callable[[str, int, int], PodState] | None = None):
+    def __init__(
+        self,
+        pod_state: Callable[[str, int, int], PodState] | None = None,
+        kubelet: LocalKubelet | None = None,
+    ):
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (plural, ns, name) -> object
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self.pod_state = pod_state or (lambda role, index, polls: ("Running", True, None, ""))
+        self.kubelet = kubelet
         self.polls = 0
         self._lock = threading.Lock()
         server = self
@@ -55,6 +148,8 @@ class FakeApiServer:
         self._thread.start()
 
     def close(self) -> None:
+        if self.kubelet is not None:
+            self.kubelet.stop_all()
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(timeout=10)
@@ -83,7 +178,7 @@ class FakeApiServer:
             template = job["spec"]["template"]
             role = template["metadata"]["labels"].get("app.kubernetes.io/component", "")
             for index in range(job["spec"]["completions"]):
-                phase, ready, exit_code, _ = self.pod_state(role, index, self.polls)
+                phase, ready, exit_code, _ = self._state(name, role, index)
                 container = {
                     "name": "fluidps",
                     "image": template["spec"]["containers"][0]["image"],
@@ -108,6 +203,7 @@ class FakeApiServer:
                         },
                         "status": {
                             "phase": phase,
+                            **({"podIP": ip} if (ip := self._ip(name, index)) else {}),
                             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                             "containerStatuses": [container],
                         },
@@ -115,13 +211,20 @@ class FakeApiServer:
                 )
         return out
 
+    def _state(self, job_name: str, role: str, index: int) -> PodState:
+        if self.kubelet is not None:
+            return self.kubelet.state(job_name, index)[0]
+        return self.pod_state(role, index, self.polls)
+
+    def _ip(self, job_name: str, index: int) -> str | None:
+        return self.kubelet.state(job_name, index)[1] if self.kubelet is not None else None
+
     def log(self, namespace: str, pod: str) -> str:
         for p in self.pods(namespace):
             if p["metadata"]["name"] == pod:
+                index = int(p["metadata"]["annotations"][INDEX_ANNOTATION])
                 role = p["metadata"]["labels"]["app.kubernetes.io/component"]
-                return self.pod_state(role, int(p["metadata"]["annotations"][INDEX_ANNOTATION]), self.polls)[
-                    3
-                ]
+                return self._state(p["metadata"]["labels"]["job-name"], role, index)[3]
         raise KeyError(pod)
 
 
@@ -167,6 +270,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._status(400, "BadRequest", f"a {body.get('kind')} sent to {route['plural']}")
                 return
             self.api.objects[key] = body
+            if route["plural"] == "jobs" and self.api.kubelet is not None:
+                configmaps = {n: o for (pl, _, n), o in self.api.objects.items() if pl == "configmaps"}
+                self.api.kubelet.start(body, configmaps)
         self._send(201, body)
 
     def do_GET(self) -> None:
@@ -207,7 +313,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _job_status(self, job: dict[str, Any]) -> dict[str, Any]:
         role = job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
-        phases = [self.api.pod_state(role, i, self.api.polls)[0] for i in range(job["spec"]["completions"])]
+        name = job["metadata"]["name"]
+        phases = [self.api._state(name, role, i)[0] for i in range(job["spec"]["completions"])]
         return {
             "active": phases.count("Running") + phases.count("Pending"),
             "succeeded": phases.count("Succeeded"),
@@ -221,6 +328,8 @@ class _Handler(BaseHTTPRequestHandler):
         route, _ = routed
         with self.api._lock:
             removed = self.api.objects.pop((route["plural"], route["ns"], route["name"]), None)
+            if removed is not None and route["plural"] == "jobs" and self.api.kubelet is not None:
+                self.api.kubelet.stop(route["name"])  # (propagation: its pods go with it)
         if removed is None:
             self._status(404, "NotFound", f"{route['plural']} {route['name']!r} not found")
             return

@@ -39,6 +39,7 @@ from fluidps.executor.peer_exit import PEER_FAILURE_STATUS
 
 CONTAINER = "fluidps"
 PORT_NAME = "fluidps"
+LOOP_PORT_NAME = "pserver-loop"  # a RemoteExecutor's pserver pods: where the pserver loop listens
 KEYS_MOUNT = "/etc/fluidps/keys"
 CHECKPOINT_MOUNT = "/var/lib/fluidps/checkpoints"
 DATA_MOUNT = "/var/lib/fluidps/data"
@@ -123,7 +124,11 @@ class KubernetesCluster:
 class KubernetesJob:
     """What `render` needs of a job (JobDesc.to_kubernetes makes one): its name, its
     replicas, how its processes talk, and where they run. `dataset`: the dataset the
-    trainers read, as a path inside their pods (a coordinator hands out its tasks)."""
+    trainers read, as a path inside their pods (a coordinator hands out its tasks).
+
+    `serve`: the pods are a RemoteExecutor's executor servers (`fluidps serve`, listening
+    on their pod's IP at `port`; a pserver's loop at `port + 1`), not `cluster.command`:
+    the RemoteExecutor ships them their programs. `compile`: their `--compile` flag."""
 
     name: str
     pservers: int
@@ -136,6 +141,8 @@ class KubernetesJob:
     resources: Resources = field(default_factory=Resources)
     gang: bool = False
     dataset: str | None = None
+    serve: bool = False
+    compile: bool | None = None
 
     def roles(self) -> dict[str, int]:
         """Replicas by role, in the order the objects come."""
@@ -185,13 +192,24 @@ def check(job: KubernetesJob) -> None:
         raise BuilderError(
             f"image_pull_policy={cluster.image_pull_policy!r} is not one of {', '.join(PULL_POLICIES)}"
         )
-    if not cluster.command or not all(isinstance(c, str) and c for c in cluster.command):
+    if job.serve:
+        if cluster.command:
+            raise BuilderError(
+                f"command={tuple(cluster.command)!r}: a RemoteExecutor's pods run `fluidps serve` and "
+                "get their programs from it; leave command empty (or render the script the Fluid way)"
+            )
+        if job.dataset is not None:
+            raise BuilderError(
+                "a RemoteExecutor on Kubernetes reads no dataset yet: render the script the Fluid way"
+            )
+    elif not cluster.command or not all(isinstance(c, str) and c for c in cluster.command):
         raise BuilderError(
             f"command={tuple(cluster.command)!r}: give what every pserver and trainer pod runs, "
             "e.g. ('python', '/app/train.py')"
         )
-    if not isinstance(cluster.port, int) or not 1 <= cluster.port <= 65535:
-        raise BuilderError(f"port={cluster.port!r} is not a TCP port from 1 to 65535")
+    highest = 65534 if job.serve else 65535  # (a RemoteExecutor's pserver loops take port + 1)
+    if not isinstance(cluster.port, int) or not 1 <= cluster.port <= highest:
+        raise BuilderError(f"port={cluster.port!r} is not a TCP port from 1 to {highest}")
     if not isinstance(cluster.user, int) or not 1 <= cluster.user <= 2**31 - 1:
         raise BuilderError(f"user={cluster.user!r} must be a uid from 1 to 2**31 - 1: pods never run as root")
     if not isinstance(cluster.restarts, int) or cluster.restarts < 0:
@@ -283,6 +301,8 @@ def contract(job: KubernetesJob) -> dict[str, str]:
 
 
 def _role_env(job: KubernetesJob, role: str) -> list[dict[str, Any]]:
+    if job.serve:  # an executor server listens on its pod's own address
+        return [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     index = {"valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}
     if role == "trainer":
         return [{"name": "TRAINING_ROLE", "value": "TRAINER"}, {"name": "PADDLE_TRAINER_ID", **index}]
@@ -294,6 +314,9 @@ def _role_env(job: KubernetesJob, role: str) -> list[dict[str, Any]]:
 
 
 def _command(job: KubernetesJob, role: str) -> list[str]:
+    if job.serve:
+        flags = [] if job.compile is None else ["--compile" if job.compile else "--no-compile"]
+        return ["fluidps", "serve", "--endpoint", f"tcp://$(POD_IP):{job.cluster.port}", *flags]
     if role != "coordinator":
         return list(job.cluster.command)
     snapshot_dir = CHECKPOINT_MOUNT if job.cluster.checkpoint_volume is not None else "/tmp"
@@ -309,11 +332,8 @@ def _volumes(job: KubernetesJob, role: str) -> tuple[list[dict[str, Any]], list[
     volumes, mounts = [], []
     if job.keys_dir is not None:
         items = [{"key": key, "path": path} for key, (path, _) in key_files(job.keys_dir).items()]
-        secret = {
-            "secretName": f"{job.name}-keys",
-            "items": items,
-            "defaultMode": 0o440,
-        }  # root and the pod's group
+        # readable by root and the pod's group (fsGroup) only
+        secret = {"secretName": f"{job.name}-keys", "items": items, "defaultMode": 0o440}
         volumes.append({"name": "keys", "secret": secret})
         mounts.append({"name": "keys", "mountPath": KEYS_MOUNT, "readOnly": True})
     cluster = job.cluster
@@ -336,8 +356,12 @@ def _container(job: KubernetesJob, role: str, mounts: list[dict[str, Any]]) -> d
         "envFrom": [{"configMapRef": {"name": f"{job.name}-env"}}],
         "env": _role_env(job, role),
     }
-    if role != "trainer":  # it listens: the Service's port, ready once it accepts connections
+    if role != "trainer" or job.serve:  # it listens: the Service's port, ready once it accepts connections
         container["ports"] = [{"name": PORT_NAME, "containerPort": cluster.port, "protocol": "TCP"}]
+        if job.serve and role == "pserver":
+            container["ports"].append(
+                {"name": LOOP_PORT_NAME, "containerPort": cluster.port + 1, "protocol": "TCP"}
+            )
         container["readinessProbe"] = {"tcpSocket": {"port": PORT_NAME}, "periodSeconds": 2}
     if resources := job.resources.to_dict():
         container["resources"] = resources

@@ -14,11 +14,14 @@ find each other while they start; readiness is read from the pods themselves.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from fluidps.errors import ExecutionError, UnsupportedError
+from fluidps.executor.launch.kubernetes import INDEX_ANNOTATION
 
 LOG_LINES = 20  # of a failed pod, in the error that reports it
 POLL_SECONDS = 1.0
@@ -36,18 +39,21 @@ def _client_modules() -> Any:
 
 
 def default_api_client() -> Any:
-    """An ApiClient for the cluster kubectl would talk to (or, in a pod, its own)."""
+    """An ApiClient of its own (the client's global configuration is left alone) for the
+    cluster kubectl would talk to: KUBECONFIG, read now, or ~/.kube/config; else, in a
+    pod, its service account's."""
     kubernetes = _client_modules()
     try:
-        kubernetes.config.load_kube_config()
+        return kubernetes.config.new_client_from_config(config_file=os.environ.get("KUBECONFIG") or None)
     except (kubernetes.config.ConfigException, FileNotFoundError, TypeError):
+        configuration = kubernetes.client.Configuration()
         try:
-            kubernetes.config.load_incluster_config()
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
         except kubernetes.config.ConfigException as e:
             raise ExecutionError(
                 f"no Kubernetes cluster is configured ({e}): set KUBECONFIG or run inside a pod"
             ) from None
-    return kubernetes.client.ApiClient()
+        return kubernetes.client.ApiClient(configuration)
 
 
 def instance_selector(name: str, role: str | None = None) -> str:
@@ -95,25 +101,40 @@ class KubernetesClient:
         }[kind]
         create(namespace, self.model(obj))
 
-    def submit(self, objects: Sequence[dict[str, Any]], timeout: float | None = 600.0) -> None:
-        """Create the job's objects in order, then (unless `timeout` is None) wait until
-        every pserver pod is ready; a pod that fails meanwhile raises an ExecutionError
-        with its last log lines. An object that exists already is an error: the job's
-        name is taken (delete it first)."""
+    def create_all(self, objects: Sequence[dict[str, Any]]) -> None:
+        """Create the job's objects in order. An object that exists already is an error
+        (the job's name is taken: delete it first); when one cannot be created, those
+        created before it are deleted again, so that nothing is left half made."""
         name = _job_name(objects)
         api_exception = self._k8s.exceptions.ApiException
+        created: list[dict[str, Any]] = []
         for obj in objects:
             try:
                 self.create(obj)
             except api_exception as e:
+                self._remove(created)
                 what = f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}"
                 if e.status == 409:
                     raise ExecutionError(
                         f"{what} exists already: a job named {name!r} runs there (fluidps k8s delete {name})"
                     ) from None
                 raise ExecutionError(f"creating {what} failed: {e.status} {e.reason}: {_body(e)}") from None
-        if timeout is not None:
-            self.wait_ready(name, _namespace(objects), _replicas(objects, "pserver"), timeout)
+            created.append(obj)
+
+    def submit(
+        self,
+        objects: Sequence[dict[str, Any]],
+        timeout: float | None = 600.0,
+        roles: Sequence[str] = ("pserver",),
+    ) -> list[Any]:
+        """create_all, then (unless `timeout` is None) wait until every pod of `roles` is
+        ready, and return the pods; a pod that fails meanwhile raises an ExecutionError
+        with its last log lines (the objects stay, for status and logs)."""
+        self.create_all(objects)
+        if timeout is None:
+            return []
+        replicas = {r: _replicas(objects, r) for r in roles}
+        return self.wait_ready(_job_name(objects), _namespace(objects), replicas, timeout)
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -122,27 +143,40 @@ class KubernetesClient:
             self.core.list_namespaced_pod(namespace, label_selector=instance_selector(name, role)).items
         )
 
-    def wait_ready(self, name: str, namespace: str, pservers: int, timeout: float) -> None:
-        """Until `pservers` pserver pods are ready; raises naming a failed pod (with its
-        last log lines) or, after `timeout` seconds, the pods not ready."""
+    def wait_ready(self, name: str, namespace: str, replicas: dict[str, int], timeout: float) -> list[Any]:
+        """Until the pods of each role in `replicas` are ready (that many of them); the
+        pods. Raises naming a failed pod (with its last log lines) or, after `timeout`
+        seconds, the pods not ready."""
         deadline = time.monotonic() + timeout
         while True:
             pods = self.pods(name, namespace)
             for pod in pods:
                 if pod.status is not None and pod.status.phase == "Failed":
                     raise ExecutionError(self._failure(pod, namespace))
-            ready = [p.metadata.name for p in pods if _component(p) == "pserver" and _is_ready(p)]
-            if len(ready) >= pservers:
-                return
+            waiting = {
+                role: sum(1 for p in pods if _component(p) == role and _is_ready(p)) for role in replicas
+            }
+            if all(waiting[role] >= count for role, count in replicas.items()):
+                return pods
             if time.monotonic() > deadline:
-                waiting = sorted(
-                    p.metadata.name for p in pods if _component(p) == "pserver" and not _is_ready(p)
+                role = next(r for r, count in replicas.items() if waiting[r] < count)
+                not_ready = sorted(
+                    p.metadata.name for p in pods if _component(p) == role and not _is_ready(p)
                 )
                 raise ExecutionError(
-                    f"job {name!r}: {len(ready)} of {pservers} pservers ready after {timeout:.0f} s "
-                    f"(not ready: {', '.join(waiting) or 'no pods yet'}); see fluidps k8s status {name}"
+                    f"job {name!r}: {waiting[role]} of {replicas[role]} {role}s ready after {timeout:.0f} s "
+                    f"(not ready: {', '.join(not_ready) or 'no pods yet'}); see fluidps k8s status {name}"
                 )
             time.sleep(POLL_SECONDS)
+
+    def addresses(self, pods: Sequence[Any]) -> dict[tuple[str, int], str]:
+        """Each pod's IP by (role, completion index)."""
+        out = {}
+        for pod in pods:
+            index = (pod.metadata.annotations or {}).get(INDEX_ANNOTATION)
+            if index is not None and pod.status is not None and pod.status.pod_ip:
+                out[(_component(pod) or "", int(index))] = pod.status.pod_ip
+        return out
 
     def _failure(self, pod: Any, namespace: str) -> str:
         name = pod.metadata.name
@@ -198,6 +232,24 @@ class KubernetesClient:
         }
 
     # -- deleting ----------------------------------------------------------------------------
+
+    def _remove(self, objects: Sequence[dict[str, Any]]) -> None:
+        """Delete these objects (best effort: a rollback)."""
+        for obj in reversed(objects):
+            kind, namespace, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+            with contextlib.suppress(self._k8s.exceptions.ApiException):
+                if kind == "PodGroup":
+                    group, _, version = obj["apiVersion"].partition("/")
+                    self.custom.delete_namespaced_custom_object(group, version, namespace, "podgroups", name)
+                elif kind == "Job":
+                    self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
+                else:
+                    delete = {
+                        "ConfigMap": self.core.delete_namespaced_config_map,
+                        "Secret": self.core.delete_namespaced_secret,
+                        "Service": self.core.delete_namespaced_service,
+                    }[kind]
+                    delete(name, namespace)
 
     def delete(self, name: str, namespace: str) -> list[str]:
         """Delete the job's objects (Jobs with their pods); what it deleted, as Kind/name."""

@@ -8,5 +8,5 @@ a local Executor driven over the wire.
 
 May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops, fluidps.transpiler,
 fluidps.executor, fluidps.executor.transport, fluidps.executor.launch.processes,
-fluidps.executor.launch.kubernetes, fluidps.profiling
+fluidps.executor.launch.kubernetes, fluidps.executor.launch.kubernetes_client, fluidps.profiling
 """

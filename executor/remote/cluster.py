@@ -21,13 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from fluidps.errors import Error, TransportError
+from fluidps.endpoints import format_endpoint
+from fluidps.errors import Error, TransportError, UnsupportedError
 from fluidps.executor.launch.processes import ServeProcess, kill_all
 from fluidps.executor.transport.rpc import RpcClient, wait_all
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 
 if TYPE_CHECKING:
+    from fluidps.executor.launch.kubernetes_client import KubernetesClient
     from fluidps.executor.remote.remote_executor import JobDesc
 
 
@@ -59,8 +61,11 @@ class Cluster:
         self.processes: list[ServeProcess] = []
         self.nodes: list[Node] = []
         self.observers: dict[str, RpcClient] = {}  # pserver loop endpoint -> a client reading it
+        self.pserver_endpoints: list[str] = list(job.pserver_endpoints)  # where pserver loops listen
+        self.kubernetes: KubernetesClient | None = None  # with job.cluster: the pods' objects there
         self.keep_logs = False  # set when the job failed: its logs explain why
         self._closed = False
+        self._job = job
         try:
             self._start(job)
         except BaseException:
@@ -69,6 +74,9 @@ class Cluster:
             raise
 
     def _start(self, job: JobDesc) -> None:
+        if job.cluster is not None:
+            self._start_on_kubernetes(job)
+            return
         wanted = [("pserver", i, job.pserver_servers) for i in range(job.pservers)]
         wanted += [("trainer", i, job.trainer_servers) for i in range(job.trainers)]
         # Start every process first so that they import and compile side by side.
@@ -100,9 +108,37 @@ class Cluster:
             self.nodes.append(Node(role, i, client, process))
         self.call_all({s.client: Message(Kind.HELLO) for s in self.nodes})
 
+    def _start_on_kubernetes(self, job: JobDesc) -> None:
+        """Create the job's server pods, wait until every one is ready, connect to each at
+        its pod's address; its pserver loops will listen at the next port."""
+        from fluidps.executor.launch.kubernetes_client import KubernetesClient  # the k8s extra
+
+        objects = job.kubernetes_servers()
+        client = KubernetesClient()
+        client.create_all(objects)
+        self.kubernetes = client  # from here on, closing deletes them
+        replicas = {"pserver": job.pservers, "trainer": job.trainers}
+        pods = client.wait_ready(job.name, job.cluster.namespace, replicas, job.start_timeout)
+        addresses = self.kubernetes.addresses(pods)
+        port = job.cluster.port
+        self.pserver_endpoints = [
+            format_endpoint(addresses[("pserver", i)], port + 1) for i in range(job.pservers)
+        ]
+        for role, count in (("pserver", job.pservers), ("trainer", job.trainers)):
+            for i in range(count):
+                address = f"tcp://{format_endpoint(addresses[(role, i)], port)}"
+                name = f"{role} {i}'s executor server (pod {job.name}-{role}-{i} at {address})"
+                self.nodes.append(Node(role, i, RpcClient(self.context, address, name, self.settings), None))
+        self.call_all({s.client: Message(Kind.HELLO) for s in self.nodes})
+
     def start_coordinator(self, job: JobDesc) -> str:
         """Start the job's coordinator on this machine (its state in the log directory);
         its address. Stopped with the job."""
+        if job.cluster is not None:
+            raise UnsupportedError(
+                "a RemoteExecutor on Kubernetes reads no dataset yet: render the script the Fluid way "
+                "(fluidps k8s render --dataset ...), whose coordinator runs as a pod"
+            )
         process = ServeProcess(
             "coordinator",
             job.host,
@@ -120,6 +156,14 @@ class Cluster:
         self.nodes.append(Node("coordinator", 0, client, process))
         self.call_all({client: Message(Kind.HELLO)})
         return address
+
+    def _delete_pods(self) -> list[str]:
+        assert self.kubernetes is not None and self._job.cluster is not None
+        try:
+            self.kubernetes.delete(self._job.name, self._job.cluster.namespace)
+        except Error as e:
+            return [f"deleting the job's pods: {e}"]
+        return []
 
     def role(self, role: str) -> list[Node]:
         return [s for s in self.nodes if s.role == role]
@@ -171,6 +215,8 @@ class Cluster:
                     elif status != 0:
                         problems.append(f"{s.role} {s.index} exited with status {status}")
         kill_all(self.processes)  # any that never became a server
+        if self.kubernetes is not None:
+            problems += self._delete_pods()
         for client in [*self.observers.values(), *(s.client for s in self.nodes)]:
             client.close()
         self.context.term()

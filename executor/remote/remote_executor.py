@@ -83,7 +83,15 @@ class JobDesc:
     it is answered). `compile`: the servers it starts run their programs as numba-compiled
     segments (fluidps.Executor(compile=True); a pserver's optimize blocks too), or
     interpreted; None: as FLUIDPS_COMPILE says in their environment (inherited from this
-    process). Servers someone else runs decide for themselves (`fluidps serve --compile`).
+    process; compiled unless it says 0). Servers someone else runs decide for themselves
+    (`fluidps serve --compile`).
+
+    `cluster`: a fluidps.KubernetesCluster whose pods run the job's servers: the
+    RemoteExecutor creates them (kubernetes_servers(), named after `name`, with
+    `resources` and `gang`), waits until they are ready, talks to them at their pods'
+    addresses, and deletes them when it closes. It must run where those addresses are
+    reachable: in a pod of that cluster. `to_kubernetes()` renders the job the Fluid way
+    instead (a script in every pod, no client), for `fluidps k8s submit`.
     """
 
     pservers: int = 1
@@ -105,6 +113,7 @@ class JobDesc:
     name: str = "fluidps"  # on a cluster, its objects are named after it (to_kubernetes)
     resources: Resources = field(default_factory=Resources)  # each pod's cpu / memory (to_kubernetes)
     gang: bool = False  # on a cluster, all pods are scheduled together or none (to_kubernetes)
+    cluster: KubernetesCluster | None = None  # the servers run as pods of this cluster
 
     def __post_init__(self) -> None:
         for field_name in ("pservers", "trainers"):
@@ -133,7 +142,35 @@ class JobDesc:
             )
         if self.pserver_endpoints:
             parse_endpoints(list(self.pserver_endpoints), "pserver_endpoints")
+        if self.cluster is not None and (
+            self.pserver_servers or self.trainer_servers or self.pserver_endpoints
+        ):
+            raise BuilderError("with cluster, the job's servers are its pods: give no servers or endpoints")
         self.transpiler_config()  # a bad mode fails here, not at the first step
+
+    def kubernetes_servers(self) -> list[dict[str, Any]]:
+        """The objects of this job's executor servers as pods of `cluster` (a RemoteExecutor
+        creates them): `fluidps serve` in every pserver and trainer pod."""
+        if self.cluster is None:
+            raise BuilderError("this job names no cluster: JobDesc(cluster=fluidps.KubernetesCluster(...))")
+        return render(self._kubernetes_job(self.cluster, None, serve=True))
+
+    def _kubernetes_job(self, cluster: KubernetesCluster, dataset: str | None, serve: bool) -> KubernetesJob:
+        return KubernetesJob(
+            name=self.name,
+            pservers=self.pservers,
+            trainers=self.trainers,
+            cluster=cluster,
+            mode=self.transpiler_config().mode,
+            keys_dir=self.keys_dir,
+            insecure=self.insecure,
+            peer_timeout=self.peer_timeout,
+            resources=self.resources,
+            gang=self.gang,
+            dataset=dataset,
+            serve=serve,
+            compile=self.compile,
+        )
 
     def to_kubernetes(
         self, cluster: KubernetesCluster | None = None, dataset: str | None = None, **cluster_fields: Any
@@ -152,20 +189,7 @@ class JobDesc:
             raise BuilderError(
                 f"give a KubernetesCluster or its fields, not both ({', '.join(cluster_fields)})"
             )
-        job = KubernetesJob(
-            name=self.name,
-            pservers=self.pservers,
-            trainers=self.trainers,
-            cluster=cluster,
-            mode=self.transpiler_config().mode,
-            keys_dir=self.keys_dir,
-            insecure=self.insecure,
-            peer_timeout=self.peer_timeout,
-            resources=self.resources,
-            gang=self.gang,
-            dataset=dataset,
-        )
-        return render(job)
+        return render(self._kubernetes_job(cluster, dataset, serve=False))
 
     def transpiler_config(self) -> DistributeTranspilerConfig:
         return self.config if self.mode is None else replace(self.config, mode=self.mode)
@@ -434,7 +458,7 @@ class RemoteExecutor:
         job, trainers = self.job, self._cluster.role("trainer")
         # The pserver loops' endpoints go into the transpiled programs, so they are picked before
         # the loops start; pick_free_ports says where a race remains.
-        endpoints = list(job.pserver_endpoints) or free_endpoints(job.host, job.pservers)
+        endpoints = self._cluster.pserver_endpoints or free_endpoints(job.host, job.pservers)
         transpiler = DistributeTranspiler(job.transpiler_config())
         plans = [
             transpiler.transpile(i, program, endpoints, len(trainers), startup_program=self._startup)
