@@ -88,6 +88,7 @@ from bench.workloads import (  # noqa: E402
     digits_workload,
 )
 from fluidps import layers, optimizer  # noqa: E402
+from fluidps.executor.compiler.segments import COMPILE_AFTER  # noqa: E402
 from fluidps.profiling import per_step  # noqa: E402
 
 CORES = os.cpu_count() or 1
@@ -558,7 +559,8 @@ def main(argv: list[str] | None = None) -> None:
     all_options = [
         JobOptions(args.profile, args.prefetch_batches, runners, e == "compiled") for e in executors
     ]
-    repeats, warmup, scale = args.repeats, 5, args.scale
+    # warm-up steps: past the step where blocks compile (its first windows are not timed)
+    repeats, warmup, scale = args.repeats, COMPILE_AFTER + 2, args.scale
     if args.quick:
         repeats, warmup, scale = 1, 2, 0.05
         if args.ctr_vocab == str(CTR_VOCAB):

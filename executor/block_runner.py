@@ -44,8 +44,9 @@ class BlockRunner:
     With a `compiler` (fluidps.executor.compiler.Compiler), runs of ops that have a
     compiled form run as numba-compiled segments, one call each; `keep` names what is
     wanted after the block besides persistable state (the fetches). A block is compiled
-    when it runs a second time (a startup program, run once, never is; the first run is
-    interpreted, which gives the same results). A segment that fails is run again op by
+    at its Compiler.compile_after-th run, or at its second when its code is on disk
+    already (a startup program, run once, never is; interpreted runs give the same
+    results). A segment that fails is run again op by
     op, so that the error names the op; one that writes persistable state in place is
     not, and its error names its ops."""
 
@@ -77,6 +78,7 @@ class BlockRunner:
         self._compiler, self._keep = compiler, tuple(keep)
         self.segments: dict[int, Segment] = {}  # by first op, once compiled
         self._runs = 0
+        self._compiled = False  # compiled (or tried to): see Compiler.compile_after
         self._broken: set[int] = set()  # segments numba could not compile: interpreted
         # Persistable variables this block writes (shared state when blocks run on threads).
         self.writes = {
@@ -88,8 +90,8 @@ class BlockRunner:
 
     def run(self, env: Any) -> None:
         self._runs += 1
-        if self._runs == 2 and self._compiler is not None:
-            self._compile()
+        if self._compiler is not None and not self._compiled and self._runs >= 2:
+            self._compile(cached_only=self._runs < self._compiler.compile_after)
         if self.segments:
             self._run_compiled(env)
             return
@@ -115,17 +117,23 @@ class BlockRunner:
 
     @property
     def compiled_ops(self) -> int:
-        """How many of the block's ops run inside compiled segments (0 before its second run)."""
+        """How many of the block's ops run inside compiled segments (0 until it compiles)."""
         return sum(s.stop - s.start for s in self.segments.values() if s.start not in self._broken)
 
-    def _compile(self) -> None:
-        """Compile the block's segments; a block the compiler cannot handle (a cache
-        directory it cannot write, a lowering that fails) runs interpreted, with a warning."""
+    def _compile(self, cached_only: bool = False) -> None:
+        """Compile the block's segments (with `cached_only`, only when their code is on
+        disk already); a block the compiler cannot handle (a cache directory it cannot
+        write, a lowering that fails) runs interpreted, with a warning."""
         from fluidps.executor.compiler import compile_block
 
         try:
-            self.segments = {s.start: s for s in compile_block(self.block, self._compiler, self._keep)}
+            segments = compile_block(self.block, self._compiler, self._keep, cached_only)
+            if segments is None:
+                return  # (not on disk yet: compiled at run compile_after)
+            self._compiled = True
+            self.segments = {s.start: s for s in segments}
         except Exception as e:  # the interpreter gives the same results: compiling is only faster
+            self._compiled = True
             warnings.warn(
                 f"block {self.block.idx} runs interpreted: it could not be compiled ({type(e).__name__}: {e})",
                 RuntimeWarning,

@@ -323,7 +323,8 @@ class Executor:
 
     def compiled_ops(self) -> int:
         """How many ops of the programs it ran run inside compiled segments (a block is
-        compiled at its second run). A pserver loop's stats count its optimize blocks'."""
+        compiled after a few runs: Compiler.compile_after). A pserver loop's stats count its
+        optimize blocks'."""
         prepared = [p for versions in list(self._cache.values()) for p in list(versions.values())]
         return sum(p.runner.compiled_ops for p in prepared)  # (copies: a status thread asks)
 

@@ -57,7 +57,7 @@ def compiled_agrees(
     (the interpreter's) bit for bit; nothing to check when no op has a compiled form."""
     if not any(REGISTRY.has_lowering(op.type) for op in program.global_block().ops):
         return
-    exe = fluidps.Executor(compile=Compiler(ModuleCache(default_cache_dir()), min_ops=1))
+    exe = fluidps.Executor(compile=Compiler(ModuleCache(default_cache_dir()), min_ops=1, compile_after=2))
     for _ in range(2):  # a block is compiled at its second run; fresh inputs each time (updates in place)
         got = exe.run(program, feed={k: _copy(v) for k, v in feed.items()}, fetch_list=list(names))
     for name, g, w in zip(names, got, want, strict=True):

@@ -35,13 +35,23 @@ class ModuleCache:
         self.directory = Path(directory) if directory is not None else default_cache_dir()
         self._loaded: dict[str, ModuleType] = {}
 
-    def load(self, text: str, helper_sources: list[str]) -> ModuleType:
-        """The module of `text`, written into the cache directory once and imported."""
+    @staticmethod
+    def _name(text: str, helper_sources: list[str]) -> str:
         # Comments (which variable each local holds) do not count: programs of one shape
         # share their code whatever their variables are called.
         code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
         digest = hashlib.sha256("\0".join([code, *helper_sources]).encode()).hexdigest()[:24]
-        name = f"fluidps_segment_{digest}"
+        return f"fluidps_segment_{digest}"
+
+    def holds(self, text: str, helper_sources: list[str]) -> bool:
+        """Whether the module of `text` is loaded or on disk already (an earlier process
+        compiled it, and numba keeps its machine code next to it)."""
+        name = self._name(text, helper_sources)
+        return name in self._loaded or (self.directory / f"{name}.py").exists()
+
+    def load(self, text: str, helper_sources: list[str]) -> ModuleType:
+        """The module of `text`, written into the cache directory once and imported."""
+        name = self._name(text, helper_sources)
         if name in self._loaded:
             return self._loaded[name]
         path = self.directory / f"{name}.py"

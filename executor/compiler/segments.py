@@ -18,6 +18,7 @@ from fluidps.ops import REGISTRY
 from fluidps.ops.lowering import NotLowerable
 
 MIN_OPS = 2  # a lone op gains nothing from a compiled call of its own
+COMPILE_AFTER = 10  # runs before a block compiles (Compiler.compile_after)
 
 
 @dataclass
@@ -143,23 +144,35 @@ def runs(lowered: list[bool], writes_state: list[bool], min_ops: int = MIN_OPS) 
 class Compiler:
     """How an Executor compiles: where generated code is kept, the fewest ops a
     segment has (a lone op gains little from a compiled call of its own; tests that
-    check one op's compiled form set 1), and whether elementwise runs fuse (and updates
-    of many parameters batch)."""
+    check one op's compiled form set 1), whether elementwise runs fuse (and updates
+    of many parameters batch), and when a block compiles."""
 
     cache: ModuleCache
     min_ops: int = MIN_OPS
+    # A block compiles at its `compile_after`-th run (a few interpreted steps are cheaper
+    # than a compile for a program that runs only a few times), or at its second run when
+    # its code is on disk already. 2: always at the second run.
+    compile_after: int = COMPILE_AFTER
     fuse: bool = True  # elementwise runs as one loop each (.fusion), neighbouring updates too (.batching)
 
 
-def compile_block(block: Block, compiler: Compiler, keep: Collection[str] = ()) -> list[Segment]:
+def compile_block(
+    block: Block, compiler: Compiler, keep: Collection[str] = (), cached_only: bool = False
+) -> list[Segment] | None:
     """The compiled segments of `block`. `keep`: variables wanted after the block runs
-    besides persistable ones (its fetches)."""
+    besides persistable ones (its fetches). `cached_only`: None unless every segment's
+    code is in the cache already (then loading it costs little)."""
     outlives = outlives_block(block)
-    segments = []
+    sources = []
     for start, stop in runs(lowerable(block), stateful(block), compiler.min_ops):
         later_reads = {n for op in block.ops[stop:] for n in op.input_arg_names if n != EMPTY_VAR_NAME}
         wanted = later_reads | set(keep)
         source = generate(block.ops[start:stop], lambda n, w=wanted: n in w or outlives(n), compiler.fuse)
+        if cached_only and not compiler.cache.holds(source.text, source.helper_sources):
+            return None
+        sources.append((start, stop, source))
+    segments = []
+    for start, stop, source in sources:
         module = compiler.cache.load(source.text, source.helper_sources)
         in_place = [n for n in source.inputs if n in source.outputs and _persistable(block, n)]
         segments.append(

@@ -97,7 +97,7 @@ def test_sync_job_of_two_trainers_and_two_pservers_matches_local_training(compil
     """Compiled: the trainers run their programs' compute as compiled segments and the
     pservers their optimize blocks, and train as local (interpreted) training does."""
     main, startup, loss, test_program, logits = _mlp()
-    batches = _mlp_batches(6)
+    batches = _mlp_batches(12)  # (a block compiles at its 10th run: COMPILE_AFTER)
     local = fluidps.Executor(compile=False)
     local.run(startup)
     expected = [local.run(main, feed=b, fetch_list=[loss, logits]) for b in batches]
@@ -120,7 +120,7 @@ def test_sync_job_of_two_trainers_and_two_pservers_matches_local_training(compil
         np.testing.assert_allclose(remote_eval, local_eval, rtol=1e-5, atol=1e-6)
         stats = exe.pserver_stats()
         assert [s["completed_steps"] for s in stats.values()] == [len(batches)] * 2
-        # Compiled from the second step on: a trainer's forward, backward and (the job's
+        # Compiled from the 10th step on: a trainer's forward, backward and (the job's
         # loss being averaged) scale ops; each pserver's Adam updates and beta powers.
         trainers_compiled = [t["compiled_ops"] for t in exe.trainer_stats()]
         pservers_compiled = [s["compiled_ops"] for s in stats.values()]

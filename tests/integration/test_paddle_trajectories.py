@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fluidps
+from fluidps.executor.compiler import Compiler, ModuleCache
 from helpers import paddle_fixture
 
 
@@ -26,7 +27,8 @@ def test_paddle_training_program_follows_paddles_trajectory(fixture, compiled, t
     scope = fluidps.Scope()
     for name in initial.files:
         scope[name] = initial[name].copy()
-    exe = fluidps.Executor(compile=compiled, cache_dir=str(tmp_path))
+    # (compiled: from the second step on, as a program with its code on disk would be)
+    exe = fluidps.Executor(compile=Compiler(ModuleCache(tmp_path), compile_after=2) if compiled else False)
     feed_names = sorted({key.split(":", 1)[1] for key in batches.files})
     losses = []
     for step in range(len(final["losses"])):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import fluidps
 from fluidps import layers, optimizer
 from fluidps.executor.compiler import Compiler, ModuleCache
+from fluidps.executor.compiler.segments import COMPILE_AFTER
 from fluidps.ops.selected_rows import SelectedRows
 
 
@@ -71,7 +72,7 @@ def _dense(value):
 
 def _assert_same_training(build, batches, steps, cache):
     want_fetched, want_params, *_ = _train(build, batches, steps, None)
-    got_fetched, got_params, exe, main = _train(build, batches, steps, Compiler(cache))
+    got_fetched, got_params, exe, main = _train(build, batches, steps, Compiler(cache, compile_after=2))
     (prepared,) = exe._cache[main].values()
     assert prepared.runner.segments, "nothing was compiled"
     names = ["loss"] + [p.name + "@GRAD" for p in main.all_parameters()]
@@ -118,10 +119,10 @@ def test_updates_of_many_parameters_run_as_one_loop_with_each_op_s_arithmetic(ca
     the interpreter's one op at a time."""
     build = _per_parameter_rates(opt)
     main, _, _ = build()
-    assert f"{{{opt} x6}}" in fluidps.Executor(compile=Compiler(cache)).explain(main)
+    assert f"{{{opt} x6}}" in fluidps.Executor(compile=Compiler(cache, compile_after=2)).explain(main)
     sizes = [12, 16, 16, 4]
     _assert_same_training(build, _batches(sizes, 8) + _batches(sizes, 5, seed=2), 6, cache)
-    unbatched = fluidps.Executor(compile=Compiler(cache, fuse=False)).explain(main)
+    unbatched = fluidps.Executor(compile=Compiler(cache, compile_after=2, fuse=False)).explain(main)
     assert f"{opt}, {opt}" in unbatched and "{" not in unbatched  # fuse=False: one op at a time
 
 
@@ -261,7 +262,7 @@ def _chain_batches(batch, count=3, seed=0):
 def test_fused_elementwise_chains_give_the_interpreter_s_bits(cache, ops, middle):
     build = _chain(ops, middle)
     main, _, _ = build()
-    plan = fluidps.Executor(compile=Compiler(cache)).explain(main)
+    plan = fluidps.Executor(compile=Compiler(cache, compile_after=2)).explain(main)
     assert "ops fused into" in plan and "_grad+" in plan  # forward and backward runs fused
     _assert_same_training(build, _chain_batches(4) + _chain_batches(1, seed=1), 6, cache)
 
@@ -296,7 +297,7 @@ def test_a_run_whose_operands_do_not_line_up_at_run_time_runs_interpreted(cache)
             for n, m in feeds
         ]
 
-    for got, want in zip(run(Compiler(cache)), run(None), strict=True):
+    for got, want in zip(run(Compiler(cache, compile_after=2)), run(None), strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -314,7 +315,7 @@ def test_an_array_fetched_or_read_later_is_never_overwritten(cache):
         return [exe.run(main, feed=batches[i % 4], fetch_list=wanted) for i in range(3)], exe, main
 
     want, _, _ = fetch_hidden(None)
-    got, exe, main = fetch_hidden(Compiler(cache))
+    got, exe, main = fetch_hidden(Compiler(cache, compile_after=2))
     assert "1 stored in dead arrays" in exe.explain(main)  # without the fetch, it would be
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         for name, a, b in zip(["loss", "activations", "gradient"], g, w, strict=True):
@@ -353,7 +354,9 @@ def test_a_gradient_of_an_operand_broadcast_at_run_time_is_the_interpreter_s(cac
             for m in (3, 3, 1, 1)
         ]
 
-    for step, (got, want) in enumerate(zip(run(Compiler(cache, fuse=fuse)), run(None), strict=True)):
+    for step, (got, want) in enumerate(
+        zip(run(Compiler(cache, compile_after=2, fuse=fuse)), run(None), strict=True)
+    ):
         for g, w in zip(got, want, strict=True):
             assert g.shape == w.shape
             np.testing.assert_array_equal(g, w, err_msg=f"step {step}")
@@ -381,7 +384,7 @@ def test_a_failure_in_a_compiled_segment_names_the_op(cache):
     """numba does no bounds checks: a label out of range is caught before the kernel,
     and the segment, run again by the interpreter, says which op and which label."""
     main, startup, loss = _classifier([4, 3])
-    exe = fluidps.Executor(compile=Compiler(cache))
+    exe = fluidps.Executor(compile=Compiler(cache, compile_after=2))
     exe.run(startup)
     x = np.ones((2, 4), np.float32)
     exe.run(main, feed={"x": x, "y": np.array([[0], [2]])}, fetch_list=[loss])
@@ -400,7 +403,7 @@ def _run_two_feeds(cache):
     main, startup = fluidps.Program(), fluidps.Program()
     with fluidps.program_guard(main, startup):
         out = layers.relu(layers.elementwise_add(layers.data("a", [4]), layers.data("b", [4])))
-    exe = fluidps.Executor(compile=Compiler(cache))
+    exe = fluidps.Executor(compile=Compiler(cache, compile_after=2))
     exe.run(startup)
     for b in (3, 2):  # compiled at the second run, which gets two batch sizes
         exe.run(
@@ -421,25 +424,33 @@ _CACHED_RUN = textwrap.dedent(
         optimizer.SGD(0.1).minimize(loss)
     exe = fluidps.Executor(compile=True, cache_dir=sys.argv[1])
     exe.run(startup)
-    for _ in range(2):  # compiled when it runs a second time
+    compiled_at = None
+    for run in range(1, int(sys.argv[2]) + 1):
         exe.run(main, feed={"x": np.ones((2, 4), np.float32), "y": np.zeros((2, 1), np.int64)}, fetch_list=[loss])
-    (prepared,) = exe._cache[main].values()
+        (prepared,) = exe._cache[main].values()
+        compiled_at = compiled_at or (run if prepared.runner.segments else None)
     stats = [s.fn.stats for s in prepared.runner.segments.values()]
-    print(json.dumps({"hits": sum(sum(s.cache_hits.values()) for s in stats),
+    print(json.dumps({"hits": sum(sum(s.cache_hits.values()) for s in stats), "compiled_at": compiled_at,
                       "misses": sum(sum(s.cache_misses.values()) for s in stats), "segments": len(stats)}))
     """
 )
 
 
-def test_a_second_process_loads_the_compiled_segments_from_the_cache(tmp_path):
+def test_a_block_compiles_after_some_runs_and_at_its_second_when_a_process_compiled_it_before(tmp_path):
+    """A program run a few times is not worth a compile: the first process compiles at
+    run COMPILE_AFTER; the next, finding the code on disk, loads it at its second run."""
     runs = []
-    for _ in range(2):
+    for count in (COMPILE_AFTER + 2, 3):
         done = subprocess.run(
-            [sys.executable, "-c", _CACHED_RUN, str(tmp_path)], capture_output=True, text=True, timeout=600
+            [sys.executable, "-c", _CACHED_RUN, str(tmp_path), str(count)],
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert done.returncode == 0, done.stderr
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     first, second = runs
+    assert (first["compiled_at"], second["compiled_at"]) == (COMPILE_AFTER, 2)
     assert first["segments"] == second["segments"] >= 2
     assert first["misses"] == first["segments"] and first["hits"] == 0  # compiled, then stored
     assert second["hits"] == second["segments"] and second["misses"] == 0  # loaded, not compiled
@@ -466,7 +477,7 @@ def test_executors_compile_unless_fluidps_compile_is_0(monkeypatch, tmp_path):
 def test_a_block_that_cannot_be_compiled_runs_interpreted_with_a_warning(tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
     main, startup, loss = _classifier([4, 3])
-    exe = fluidps.Executor(compile=Compiler(ModuleCache(tmp_path / "a-file" / "cache")))
+    exe = fluidps.Executor(compile=Compiler(ModuleCache(tmp_path / "a-file" / "cache"), compile_after=2))
     exe.run(startup)
     feed = _batches([4, 3], 2)[0]
     exe.run(main, feed=feed, fetch_list=[loss])
