@@ -28,10 +28,12 @@ def paddle_summary(name: str) -> dict:
 
 
 def build_mlp(
-    hidden: int = 32, classes: int = 10
+    hidden: int = 32, classes: int = 10, seed: int = 0
 ) -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
-    """The quick start's model: 64 inputs, two relu layers, softmax cross entropy."""
+    """The quick start's model: 64 inputs, two relu layers, softmax cross entropy.
+    `seed`: the startup program's random_seed (0: initial values drawn at random)."""
     main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = seed  # before the initializers: each takes its seed from it
     with fluidps.program_guard(main, startup):
         x = layers.data("x", [64])
         y = layers.data("y", [1], dtype="int64")

@@ -12,21 +12,18 @@ import pytest
 from k8s_api import FakeApiServer, LocalKubelet
 
 import fluidps
-from fluidps import layers, optimizer
+from fluidps import optimizer
 from fluidps.endpoints import pick_free_ports
 from fluidps.executor.launch.kubernetes import KubernetesCluster
 from fluidps.executor.transport.security import generate_keys
+from helpers import build_mlp
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _mlp():
-    main, startup = fluidps.Program(), fluidps.Program()
-    startup.random_seed = 3
+    main, startup, loss = build_mlp(hidden=16, classes=4, seed=3)
     with fluidps.program_guard(main, startup):
-        x = layers.data("x", [16])
-        y = layers.data("y", [1], dtype="int64")
-        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(layers.fc(x, 32, act="relu"), 4), y))
         optimizer.Adam(0.01).minimize(loss)
     return main, startup, loss
 
@@ -34,7 +31,7 @@ def _mlp():
 def _batches(n: int) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(5)
     return [
-        {"x": rng.normal(size=(8, 16)).astype("float32"), "y": rng.integers(0, 4, (8, 1))} for _ in range(n)
+        {"x": rng.normal(size=(8, 64)).astype("float32"), "y": rng.integers(0, 4, (8, 1))} for _ in range(n)
     ]
 
 
