@@ -118,6 +118,16 @@ def test_a_job_whose_name_is_taken_is_refused(objects, api):
         client.submit(objects, timeout=None)
 
 
+def test_a_create_that_fails_midway_leaves_nothing_of_the_job_behind(objects, api):
+    server, client = api()
+    secret = next(o for o in objects if o["kind"] == "Secret")
+    client.create(secret)  # somebody's Secret of that name is there already
+    with pytest.raises(fluidps.ExecutionError, match="Secret ml/ctr-keys exists already"):
+        client.submit(objects, timeout=None)
+    # the ConfigMap it had created is deleted again; the Secret it did not create stays
+    assert sorted(key[0] for key in server.objects) == ["secrets"]
+
+
 def test_status_logs_and_delete(objects, api):
     def state(role, index, polls):
         return (
