@@ -233,43 +233,44 @@ class KubernetesClient:
 
     # -- deleting ----------------------------------------------------------------------------
 
+    def _delete_object(self, kind: str, name: str, namespace: str, api_version: str = "") -> None:
+        """Delete one object of the job (a Job with its pods)."""
+        if kind == "PodGroup":
+            group, _, version = api_version.partition("/")
+            self.custom.delete_namespaced_custom_object(group, version, namespace, "podgroups", name)
+        elif kind == "Job":
+            self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
+        else:
+            delete: Callable[..., Any] = {
+                "ConfigMap": self.core.delete_namespaced_config_map,
+                "Secret": self.core.delete_namespaced_secret,
+                "Service": self.core.delete_namespaced_service,
+            }[kind]
+            delete(name, namespace)
+
     def _remove(self, objects: Sequence[dict[str, Any]]) -> None:
         """Delete these objects (best effort: a rollback)."""
         for obj in reversed(objects):
-            kind, namespace, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
             with contextlib.suppress(self._k8s.exceptions.ApiException):
-                if kind == "PodGroup":
-                    group, _, version = obj["apiVersion"].partition("/")
-                    self.custom.delete_namespaced_custom_object(group, version, namespace, "podgroups", name)
-                elif kind == "Job":
-                    self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
-                else:
-                    delete = {
-                        "ConfigMap": self.core.delete_namespaced_config_map,
-                        "Secret": self.core.delete_namespaced_secret,
-                        "Service": self.core.delete_namespaced_service,
-                    }[kind]
-                    delete(name, namespace)
+                meta = obj["metadata"]
+                self._delete_object(obj["kind"], meta["name"], meta["namespace"], obj["apiVersion"])
 
     def delete(self, name: str, namespace: str) -> list[str]:
         """Delete the job's objects (Jobs with their pods); what it deleted, as Kind/name."""
         selector = instance_selector(name)
         gone = []
-        for job in self.batch.list_namespaced_job(namespace, label_selector=selector).items:
-            self.batch.delete_namespaced_job(job.metadata.name, namespace, propagation_policy="Background")
-            gone.append(f"Job/{job.metadata.name}")
-        for kind, listing, delete in (
-            ("Service", self.core.list_namespaced_service, self.core.delete_namespaced_service),
-            ("ConfigMap", self.core.list_namespaced_config_map, self.core.delete_namespaced_config_map),
-            ("Secret", self.core.list_namespaced_secret, self.core.delete_namespaced_secret),
+        for kind, listing in (
+            ("Job", self.batch.list_namespaced_job),
+            ("Service", self.core.list_namespaced_service),
+            ("ConfigMap", self.core.list_namespaced_config_map),
+            ("Secret", self.core.list_namespaced_secret),
         ):
             for obj in listing(namespace, label_selector=selector).items:
-                delete(obj.metadata.name, namespace)
+                self._delete_object(kind, obj.metadata.name, namespace)
                 gone.append(f"{kind}/{obj.metadata.name}")
         for api_version in ("scheduling.volcano.sh/v1beta1", "scheduling.x-k8s.io/v1alpha1"):
-            group, _, version = api_version.partition("/")
             try:
-                self.custom.delete_namespaced_custom_object(group, version, namespace, "podgroups", name)
+                self._delete_object("PodGroup", name, namespace, api_version)
                 gone.append(f"PodGroup/{name}")
             except self._k8s.exceptions.ApiException as e:
                 if e.status != 404:  # (none there, or no such CRD on this cluster)
