@@ -325,7 +325,7 @@ def initial_state(rule: str, dim: int, rows: int, dtype: np.dtype, beta1: float,
     return state
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # divisions without zero checks, as fluidps.ops.optimizers' loops
 def update_rows(rule, values, state, rows, g, lr, eps, beta1, beta2, l1, l2):
     """Apply the gradient rows g[k] to table rows rows[k] (unique) by `rule` (the index
     in RULES); scalars are of the table's dtype."""

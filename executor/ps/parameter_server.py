@@ -38,6 +38,7 @@ import numpy as np
 from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
 from fluidps.executor.ps.checkpointer import Checkpointer
 from fluidps.executor.ps.gradients import GradientSpec, RowLog
+from fluidps.executor.ps.joined_blocks import JoinedBlocks
 from fluidps.executor.ps.membership import DONE, Claim, Membership
 from fluidps.executor.ps.message_limit import message_limit
 from fluidps.executor.ps.strategies import STRATEGIES
@@ -96,6 +97,7 @@ class ParameterServer:
             i: host.runner_for(program.block(i))
             for i in set(self.grad_block.values()) | set(self.queue_block.values())
         }
+        self.joined = JoinedBlocks(program, self.blocks, host.runner_for)  # sync: a message's blocks at once
         lr = op.attr("lr_decay_block_id")
         self.lr_block = host.runner_for(program.block(lr)) if lr >= 0 else None
         self.declared = set(program.global_block().vars)
@@ -231,7 +233,8 @@ class ParameterServer:
 
     def _runners(self) -> list[BlockRunner]:
         """The runners of its optimize blocks and learning-rate block."""
-        return [*self.blocks.values(), *([self.lr_block] if self.lr_block is not None else [])]
+        lr = [self.lr_block] if self.lr_block is not None else []
+        return [*self.blocks.values(), *self.joined.runners, *lr]
 
     def stats(self, compact: bool = False) -> dict[str, Any]:
         """Counters, clocks and logs (copies: a snapshot). `compact` (for the wire): the
@@ -264,6 +267,7 @@ class ParameterServer:
             },
             "rss_bytes": resident_bytes(),
             "compiled_ops": sum(r.compiled_ops for r in self._runners()),  # 0: interpreted
+            "joined_blocks": self.joined.sets,  # optimize blocks run as one (sync)
             "max_message_bytes": self.settings.message_limit,
         }
         if rows is not None:

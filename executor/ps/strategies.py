@@ -13,7 +13,8 @@
   trainers that sent nothing this step, paused or done, count as the mean of those
   that did), and each trainer's GET is answered once the step holding its barrier is
   done. Either way each block runs once a step, on the same sums, so the order does
-  not change the result.
+  not change the result; the blocks that become due at once (a message's slices) run
+  joined as one block (fluidps.executor.ps.joined_blocks), one compiled call.
 - async: each arriving gradient runs its receive block (an enqueue); one worker
   thread per optimize block dequeues and applies gradients as they come, holding that
   slice's lock, and GETs copy under the lock. A SEND is acknowledged once its
@@ -168,6 +169,7 @@ class SyncStrategy(Strategy):
             )
             return
         everyone = set(range(ps.fanin))
+        ready = []
         for grad, value in tensors.items():
             if grad in self.applied:
                 # Applied with every trainer's gradient already: this one is a resent message
@@ -182,7 +184,8 @@ class SyncStrategy(Strategy):
             senders = self.senders.setdefault(grad, set())
             senders.add(trainer)
             if senders == everyone:  # the common case: no trainer paused, done or gone
-                self._apply(grad)
+                ready.append(grad)
+        self._apply(ready)
 
     def on_barrier(self, trainer: int, step: int) -> None:
         if self._closed(trainer, step):  # counted once; a GET riding on it is answered as usual
@@ -222,13 +225,16 @@ class SyncStrategy(Strategy):
             f"await rounds {dict(sorted(self.awaiting.items()))})"
         )
 
-    def _apply(self, grad: str) -> None:
-        """Run `grad`'s optimize block (and, first in a step, the learning-rate block)."""
+    def _apply(self, grads: list[str]) -> None:
+        """Run the optimize blocks of `grads` as one (and, first in a step, the
+        learning-rate block)."""
         ps = self.ps
+        if not grads:
+            return
         if not self.applied and ps.lr_block is not None:
             ps.lr_block.run(ps.env)
-        self.applied.add(grad)
-        ps.blocks[ps.grad_block[grad]].run(ps.env)
+        self.applied.update(grads)
+        ps.joined.run([ps.grad_block[g] for g in grads], ps.env)
 
     def _maybe_complete(self) -> None:
         ps = self.ps
@@ -239,7 +245,7 @@ class SyncStrategy(Strategy):
         if contributors:
             everyone = set(range(ps.fanin))
             waiting = sorted((g for g in ps.grad_block if g not in self.applied), key=ps.grad_block.get)
-            unsent = []
+            unsent, ready = [], []
             for grad in waiting:
                 have = self.senders.get(grad, set()) & contributors
                 if not have:  # its copies hold an earlier step's gradient: not applied again
@@ -253,7 +259,8 @@ class SyncStrategy(Strategy):
                     mean = gradients.mean([ps.env[self.copies[grad][t]] for t in sorted(have)])
                     for t in missing:
                         ps.env[self.copies[grad][t]] = mean
-                self._apply(grad)
+                ready.append(grad)
+            self._apply(ready)
             if unsent:
                 ps.log(
                     f"step {self.completed + 1}: trainers {sorted(contributors)} sent no gradient of "

@@ -124,6 +124,9 @@ def test_sync_job_of_two_trainers_and_two_pservers_matches_local_training(compil
         # loss being averaged) scale ops; each pserver's Adam updates and beta powers.
         trainers_compiled = [t["compiled_ops"] for t in exe.trainer_stats()]
         pservers_compiled = [s["compiled_ops"] for s in stats.values()]
+        # A trainer's last message brings the gradients of several slices: their optimize
+        # blocks ran joined, as one block.
+        assert all(any(len(blocks) > 1 for blocks in s["joined_blocks"]) for s in stats.values())
         if compiled:
             assert min(trainers_compiled) > 10 and min(pservers_compiled) > 0
         else:
