@@ -29,6 +29,11 @@ itself its rows of each batch, no client; `--runners` picks), next to fluidps.Ex
 and batches ("local" rows) and, when PyTorch is importable, bench.local's
 PyTorch models (torch rows: the digits one trains with SGD, not Adam).
 
+Ceiling (compiled digits_mlp with a 1x1 sync job): a row with "runner": "raw pyzmq
+(ceiling)" (bench.ceiling): the same forward and backward, gradients and parameters
+exchanged as raw pyzmq frames with a process that runs the optimizer ops, and nothing
+else; what a 1x1 sync job of these kernels could reach on this machine.
+
 Memory (with --hashed-ids N): hashed_job_memory, a 1-trainer x 2-pserver job whose
 hashed table (width 16, Adam) is fed N distinct ids, 65,536 a step: each pserver's table
 bytes and RSS against the ideal N x (16 + 34 state values) x 4 bytes, and the trainer's
@@ -70,16 +75,15 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-import zmq  # noqa: E402
 
 import fluidps  # noqa: E402
+from bench.bandwidth import bench_bandwidth  # noqa: E402
+from bench.ceiling import raw_sync_rate  # noqa: E402
 from bench.local import load_torch, timed, torch_classifier, torch_ctr  # noqa: E402
-from bench.sparse_update import median_ms  # noqa: E402
 from bench.workloads import (  # noqa: E402
     CTR_VOCAB,
     Workload,
@@ -300,6 +304,24 @@ def bench_training(
                 row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
                 row.update(executor=executor, vs_local=round(rate / local, 3))
                 print(json.dumps(row), flush=True)
+            if (trainers, pservers, mode) == (1, 1, "sync") and w.name == "digits_mlp" and options.compiled:
+                # The same exchange over raw pyzmq, nothing else: what a 1x1 sync job could reach.
+                rate, loss = raw_sync_rate(w, repeats, warmup)
+                row = training_row(
+                    w,
+                    mode,
+                    1,
+                    1,
+                    rate,
+                    runner="raw pyzmq (ceiling)",
+                    steps=w.steps * repeats,
+                    loss=round(loss, 4),
+                )
+                row.update(
+                    impl="bench.ceiling", executor=executor, vs_local=round(rate / local, 3), processes=2
+                )
+                row["processes_per_core"] = round(2 / CORES, 2)
+                print(json.dumps(row), flush=True)
 
 
 def mib(nbytes: int) -> float:
@@ -350,144 +372,6 @@ def bench_hashed_job_memory(ids_wanted: int, pservers: int = 2, dim: int = 16) -
         "trainer_rss_mib": mib(trainer["rss_bytes"]),
         "ids_per_s": round(fed / seconds),
     }
-
-
-# -- bandwidth ------------------------------------------------------------------------------
-
-# The raw pyzmq peer: a ROUTER that acknowledges a pushed frame with b"ok" and answers
-# b"pull" with the same-sized buffer, copy=False both ways. It prints its address.
-ZMQ_PEER = """
-import sys, zmq
-size = int(sys.argv[1])
-ctx = zmq.Context()
-s = ctx.socket(zmq.ROUTER)
-s.setsockopt(zmq.LINGER, 0)
-s.bind("tcp://127.0.0.1:0")
-print(s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
-payload = bytearray(size)
-while True:
-    ident, kind, *rest = s.recv_multipart(copy=False)
-    kind = bytes(kind.buffer)
-    if kind == b"stop":
-        s.send_multipart([ident, b"ok"])
-        break
-    if kind == b"pull":
-        s.send_multipart([ident, payload], copy=False)
-    else:
-        s.send_multipart([ident, b"ok"])
-s.close()
-ctx.term()
-"""
-
-
-def bandwidth_row(op: str, path: str, nbytes: int, seconds: float, repeats: int, **extra) -> dict:
-    return {
-        "bench": "bandwidth",
-        "op": op,
-        "path": path,
-        "bytes": nbytes,
-        "mib_per_s": round(nbytes / MIB / seconds, 1),
-        "ms": round(seconds * 1e3, 2),
-        "repeats": repeats,
-        **extra,
-        "cores": CORES,
-    }
-
-
-def median_seconds(run: Callable[[], None], repeats: int) -> float:
-    """Median seconds of `repeats` timed runs after two warm-up runs."""
-    return median_ms(run, repeats, warmup=2) / 1e3
-
-
-def zmq_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
-    """Median seconds of a push and of a pull of one `nbytes` frame to a ROUTER subprocess."""
-    peer = subprocess.Popen([sys.executable, "-c", ZMQ_PEER, str(nbytes)], stdout=subprocess.PIPE, text=True)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 30_000)
-    try:
-        sock.connect(peer.stdout.readline().strip())
-        payload = np.ones(nbytes // 4, dtype=np.float32)
-
-        def push() -> None:
-            sock.send_multipart([b"push", payload], copy=False)
-            sock.recv_multipart(copy=False)
-
-        def pull() -> None:
-            sock.send(b"pull")
-            (frame,) = sock.recv_multipart(copy=False)
-            assert len(frame.buffer) == nbytes
-
-        out = {"push": median_seconds(push, repeats), "pull": median_seconds(pull, repeats)}
-        sock.send(b"stop")
-        sock.recv()
-    finally:
-        sock.close()
-        ctx.term()
-        try:
-            peer.wait(10)
-        except subprocess.TimeoutExpired:
-            peer.kill()
-            peer.wait()
-        peer.stdout.close()
-    return out
-
-
-def fluidps_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
-    """Median seconds of exe.scope[name] (pull) and exe.scope[name] = v (push) for a
-    [1024, nbytes / 4096] float32 parameter held by the one pserver of a 1x1 job."""
-    main, startup = fluidps.Program(), fluidps.Program()
-    with fluidps.program_guard(main, startup):
-        x = layers.data("x", [1024])
-        out = layers.fc(x, nbytes // 4 // 1024, param_attr=fluidps.ParamAttr(name="bw.w"), bias_attr=False)
-        loss = layers.mean(out)
-        optimizer.SGD(0.01).minimize(loss)
-    job = fluidps.JobDesc(pservers=1, trainers=1, mode="sync")
-    with fluidps.RemoteExecutor(job) as exe:
-        exe.run(startup)
-        exe.run(main, feed={"x": np.ones((2, 1024), np.float32)}, fetch_list=[loss])  # deploys
-        value = np.asarray(exe.scope["bw.w"]).copy()
-        assert value.nbytes == nbytes
-
-        def pull() -> None:
-            exe.scope.invalidate()  # gathered values are cached until the next step or write
-            exe.scope["bw.w"]
-
-        def push() -> None:
-            exe.scope["bw.w"] = value
-
-        return {"pull": median_seconds(pull, repeats), "push": median_seconds(push, repeats)}
-
-
-def bench_bandwidth(nbytes: int, repeats: int) -> None:
-    raw = zmq_bandwidth(nbytes, repeats)
-    ours = fluidps_bandwidth(nbytes, repeats)
-    for op in ("pull", "push"):
-        sent = "pserver (the trainer pulls it before its next step)" if op == "push" else "pserver"
-        print(
-            json.dumps(
-                bandwidth_row(
-                    op,
-                    "fluidps exe.scope",
-                    nbytes,
-                    ours[op],
-                    repeats,
-                    to=sent,
-                    vs_pyzmq=round(raw[op] / ours[op], 3),
-                    processes=3,  # this client, the pserver and the trainer
-                )
-            ),
-            flush=True,
-        )
-        print(
-            json.dumps(
-                bandwidth_row(
-                    op, "pyzmq copy=False", nbytes, raw[op], repeats, to="ROUTER subprocess", processes=2
-                )
-            ),
-            flush=True,
-        )
 
 
 # -- driver ---------------------------------------------------------------------------------

@@ -32,20 +32,14 @@ class GradientQueue:
 
     def __init__(self) -> None:
         self._items: deque[Any] = deque()
-        self._ready = threading.Condition()
+        self._lock = threading.Lock()  # the loop puts, the optimize thread pops
 
     def put(self, value: Any) -> None:
-        with self._ready:
+        with self._lock:
             self._items.append(value)
-            self._ready.notify()
-
-    def wait(self, timeout: float) -> bool:
-        """True once an item is there (within `timeout` seconds)."""
-        with self._ready:
-            return self._ready.wait_for(lambda: bool(self._items), timeout)
 
     def pop(self) -> Any:
-        with self._ready:
+        with self._lock:
             if not self._items:
                 raise TransportError("dequeue from an empty gradient queue")
             return self._items.popleft()

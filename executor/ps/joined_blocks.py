@@ -1,11 +1,14 @@
 """Optimize blocks that run together as one block.
 
-A sync pserver applies the gradients of one message at once (those every trainer has
-sent). Run one block at a time, each update pays a call of its own (and a lone `adam`
-is too short to compile); joined, the updates of a message are one compiled call, a
-loop over the parameters (fluidps.executor.compiler.batching), as in local training.
-The blocks are independent (each writes only its own slice and its state), so running
-them joined gives each block's results bit for bit.
+A pserver applies the gradients of one message at once (sync: those every trainer has
+sent; async: those the message brought). Run one block at a time, each update pays a
+call of its own (and a lone `adam` is too short to compile); joined, the updates of a
+message are one compiled call, a loop over the parameters
+(fluidps.executor.compiler.batching), as in local training. The blocks are independent
+(each writes only its own slice and its state), so any order that keeps each block's
+own ops in order gives each block's results bit for bit: the joined block takes every
+block's gradient off its queue first (an async block's leading `dequeue`), then runs
+the rest of each block in turn, so the updates sit side by side.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from fluidps.ir.program import Block, Program
 if TYPE_CHECKING:
     from fluidps.executor.block_runner import BlockRunner
 
+_TAKES = frozenset({"dequeue"})  # ops that take a block's input from the pserver: they go first
+
 # Distinct sets of blocks kept joined. A job's messages bring the same sets step after
 # step; with many trainers arriving in varying order there could be many, so past this
 # many the rest run block by block.
@@ -26,8 +31,9 @@ JOINED_LIMIT = 64
 
 
 def joined_block(program: Program, ids: Sequence[int]) -> Block | None:
-    """A block holding the ops of blocks `ids`, in that order, with their variables, in a
-    copy of `program` (which is not changed); its parent is the first block's parent.
+    """A block holding the ops of blocks `ids`, in that order (their leading dequeues
+    first), with their variables, in a copy of `program` (which is not changed); its
+    parent is the blocks' parent.
     None when the blocks cannot share one block: different parents, or a variable that
     two of them declare."""
     parents = {program.block(i).parent_idx for i in ids}
@@ -35,16 +41,19 @@ def joined_block(program: Program, ids: Sequence[int]) -> Block | None:
         return None
     copy = program.clone()
     joined = Block(copy, len(copy.blocks), parents.pop())
-    ops, declared = [], {}
+    takes, rest, declared = [], [], {}
     for i in ids:
         block = copy.block(i)
         for name, var in block.vars.items():
             if name in declared:
                 return None
             declared[name] = var._copy_to(joined)
-        ops += [op._copy_to(joined) for op in block.ops]
+        ops = [op._copy_to(joined) for op in block.ops]
+        lead = next((k for k, op in enumerate(ops) if op.type not in _TAKES), len(ops))
+        takes += ops[:lead]
+        rest += ops[lead:]
     joined.vars = declared
-    joined.ops = ops
+    joined.ops = takes + rest
     copy.blocks.append(joined)
     return joined
 
@@ -82,9 +91,10 @@ class JoinedBlocks:
     @property
     def sets(self) -> list[list[int]]:
         """The sets of blocks run joined so far (those that could be joined)."""
-        return [list(key) for key, r in self._joined.items() if r is not None]
+        return [list(key) for key, r in list(self._joined.items()) if r is not None]  # (a copy: the
+        # optimize thread may add one meanwhile)
 
     @property
     def runners(self) -> list[BlockRunner]:
         """The joined blocks' runners built so far."""
-        return [r for r in self._joined.values() if r is not None]
+        return [r for r in list(self._joined.values()) if r is not None]

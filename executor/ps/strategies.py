@@ -15,9 +15,10 @@
   done. Either way each block runs once a step, on the same sums, so the order does
   not change the result; the blocks that become due at once (a message's slices) run
   joined as one block (fluidps.executor.ps.joined_blocks), one compiled call.
-- async: each arriving gradient runs its receive block (an enqueue); one worker
-  thread per optimize block dequeues and applies gradients as they come, holding that
-  slice's lock, and GETs copy under the lock. A SEND is acknowledged once its
+- async: each arriving gradient runs its receive block (an enqueue); an optimize
+  thread takes the messages in order and applies each one's gradients, their optimize
+  blocks joined as one (each dequeues its gradient), holding those slices' locks, and
+  GETs copy under the lock. A SEND is acknowledged once its
   gradients are applied: a trainer (its communicator) never has more than its last
   message waiting here, so the queues stay short and what a fast trainer computes
   meanwhile is merged on its side. Clocks (the steps each trainer sent) drive the
@@ -31,8 +32,10 @@ the trainers' membership and the checkpoints, and calls its strategy at each eve
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +48,7 @@ from fluidps.ops.sparse_table import SparseTable
 if TYPE_CHECKING:
     from fluidps.executor.ps.parameter_server import ParameterServer
 
-_WORKER_POLL = 0.05  # seconds an async worker waits for a gradient before checking for a stop
+_WORKER_POLL = 0.05  # seconds the async optimize thread waits for a message before checking for a stop
 # An async SEND is acknowledged once at most this many gradients queued before and with
 # each of its own are still to be applied: the optimize workers always have the next
 # one at hand, and no trainer gets further ahead of its pserver than that.
@@ -283,11 +286,15 @@ class AsyncStrategy(Strategy):
         super().__init__(ps)
         self.max_step = 0  # the furthest clock
         self._stop = threading.Event()
-        self._workers: list[threading.Thread] = []
+        self._worker: threading.Thread | None = None
         self._failure: BaseException | None = None
-        # Per gradient: how many were queued (by the loop) and applied (by its one worker).
+        # Per gradient: how many were queued (by the loop) and applied (by the worker).
         self._queued: dict[str, int] = dict.fromkeys(ps.grad_block, 0)
         self._applied: dict[str, int] = dict.fromkeys(ps.grad_block, 0)
+        # The gradients of each SEND queued and not yet applied, in order (the worker
+        # applies a message's gradients at once: each is at the head of its queue then).
+        self._messages: deque[list[str]] = deque()
+        self._arrived = threading.Condition()
 
     @property
     def steps(self) -> int:
@@ -301,12 +308,15 @@ class AsyncStrategy(Strategy):
         self.max_step = step
 
     def start(self) -> None:
-        self._workers = [self._start_worker(g, b) for g, b in self.ps.grad_block.items()]
+        self._worker = threading.Thread(target=self._work, name="optimize", daemon=True)
+        self._worker.start()
 
     def stop(self) -> None:
         self._stop.set()
-        for worker in self._workers:
-            worker.join(timeout=10)
+        with self._arrived:
+            self._arrived.notify()
+        if self._worker is not None:
+            self._worker.join(timeout=10)
 
     def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> Callable[[], bool]:
         ps = self.ps
@@ -315,6 +325,10 @@ class AsyncStrategy(Strategy):
             ps.blocks[ps.queue_block[grad]].run({grad: value})
             self._queued[grad] += 1
             ticket[grad] = self._queued[grad]
+        if tensors:
+            with self._arrived:
+                self._messages.append(list(tensors))
+                self._arrived.notify()
         self._tick(trainer, step)
         return lambda: all(self._applied[grad] >= n - ASYNC_BACKLOG for grad, n in ticket.items())
 
@@ -331,31 +345,34 @@ class AsyncStrategy(Strategy):
                 ps.lr_block.run(ps.env)
             self.max_step = clock
 
-    def _start_worker(self, grad: str, block: int) -> threading.Thread:
+    def _work(self) -> None:
+        """Apply the messages' gradients in order, each message's blocks joined as one;
+        until told to stop with none left: a gradient acknowledged to its trainer is
+        applied, even when that trainer has just said it is done."""
         ps = self.ps
-        queue, runner, lock = ps.host.queue(grad), ps.blocks[block], ps.locks[block]
-
-        def work() -> None:
-            # Until told to stop and the queue is empty: a gradient acknowledged to its
-            # trainer is applied, even when that trainer has just said it is done.
-            while True:
-                if not queue.wait(_WORKER_POLL):
+        while True:
+            with self._arrived:
+                if not self._messages:
+                    self._arrived.wait(_WORKER_POLL)
+                if not self._messages:
                     if self._stop.is_set():
                         return
                     continue
-                try:
-                    with lock:
-                        runner.run(LayeredEnv(ps.env, runner.writes))
-                except BaseException as e:  # reported by the serving loop, which stops the job
-                    self._failure = e
-                    ps.wake()
-                    return
-                self._applied[grad] += 1  # (this worker is its only writer)
-                ps.applied()
-
-        thread = threading.Thread(target=work, name=f"optimize {grad}", daemon=True)
-        thread.start()
-        return thread
+                grads = self._messages.popleft()
+            blocks = [ps.grad_block[g] for g in grads]
+            try:
+                with contextlib.ExitStack() as held:
+                    for block in sorted(set(blocks)):  # (a GET holds one lock at a time: no deadlock)
+                        held.enter_context(ps.locks[block])
+                    writes = set().union(*(ps.blocks[b].writes for b in blocks))
+                    ps.joined.run(blocks, LayeredEnv(ps.env, writes))
+            except BaseException as e:  # reported by the serving loop, which stops the job
+                self._failure = e
+                ps.wake()
+                return
+            for grad in grads:
+                self._applied[grad] += 1  # (this thread is its only writer)
+            ps.applied()
 
 
 class SspStrategy(AsyncStrategy):

@@ -120,18 +120,20 @@ def test_distributed_bench_quick_smoke_run():
     training = [r for r in rest if r["bench"] == "digits_mlp"]
     bandwidth = [r for r in rest if r["bench"] == "bandwidth"]
     assert len(training) + len(bandwidth) == len(rest)
+    jobs = (
+        ("local", 1, 0, None),
+        ("sync", 1, 1, "RemoteExecutor"),
+        ("sync", 1, 1, "fluidps launch"),  # the same job, each trainer feeding itself
+    )
     assert [(r["executor"], r["mode"], r["trainers"], r["pservers"], r.get("runner")) for r in training] == [
-        (executor, *job)
-        for executor in ("interpreted", "compiled")  # every process's Executor compiles, then
-        for job in (
-            ("local", 1, 0, None),
-            ("sync", 1, 1, "RemoteExecutor"),
-            ("sync", 1, 1, "fluidps launch"),  # the same job, each trainer feeding itself
-        )
+        *(("interpreted", *job) for job in jobs),
+        *(("compiled", *job) for job in jobs),  # every process's Executor compiles, then
+        ("compiled", "sync", 1, 1, "raw pyzmq (ceiling)"),  # the same exchange over raw pyzmq (bench.ceiling)
     ]
     common = {"global_batch", "samples_per_s", "steps", "loss", "model", "optimizer", "processes", "cores"}
     local, job, launched = training[:3]
-    for compiled, interpreted in zip(training[3:], training[:3], strict=True):
+    assert common | {"vs_local"} <= set(training[6]) and training[6]["processes"] == 2
+    for compiled, interpreted in zip(training[3:6], training[:3], strict=True):
         # The same batches to the same parameters, interpreted or compiled (float32 rounding).
         assert compiled["loss"] == pytest.approx(interpreted["loss"], rel=1e-3)
     assert common <= set(local) and common | {"warmup_steps", "setup_s", "stats_ms", "vs_local"} <= set(job)

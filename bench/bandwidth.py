@@ -1,0 +1,156 @@
+"""bench.distributed's bandwidth rows: pushing and pulling one parameter through
+fluidps (exe.scope) next to one raw pyzmq frame, in the same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import zmq
+
+import fluidps
+from bench.sparse_update import median_ms
+from fluidps import layers, optimizer
+
+CORES = os.cpu_count() or 1
+MIB = 1 << 20
+
+
+# The raw pyzmq peer: a ROUTER that acknowledges a pushed frame with b"ok" and answers
+# b"pull" with the same-sized buffer, copy=False both ways. It prints its address.
+ZMQ_PEER = """
+import sys, zmq
+size = int(sys.argv[1])
+ctx = zmq.Context()
+s = ctx.socket(zmq.ROUTER)
+s.setsockopt(zmq.LINGER, 0)
+s.bind("tcp://127.0.0.1:0")
+print(s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+payload = bytearray(size)
+while True:
+    ident, kind, *rest = s.recv_multipart(copy=False)
+    kind = bytes(kind.buffer)
+    if kind == b"stop":
+        s.send_multipart([ident, b"ok"])
+        break
+    if kind == b"pull":
+        s.send_multipart([ident, payload], copy=False)
+    else:
+        s.send_multipart([ident, b"ok"])
+s.close()
+ctx.term()
+"""
+
+
+def bandwidth_row(op: str, path: str, nbytes: int, seconds: float, repeats: int, **extra) -> dict:
+    return {
+        "bench": "bandwidth",
+        "op": op,
+        "path": path,
+        "bytes": nbytes,
+        "mib_per_s": round(nbytes / MIB / seconds, 1),
+        "ms": round(seconds * 1e3, 2),
+        "repeats": repeats,
+        **extra,
+        "cores": CORES,
+    }
+
+
+def median_seconds(run: Callable[[], None], repeats: int) -> float:
+    """Median seconds of `repeats` timed runs after two warm-up runs."""
+    return median_ms(run, repeats, warmup=2) / 1e3
+
+
+def zmq_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
+    """Median seconds of a push and of a pull of one `nbytes` frame to a ROUTER subprocess."""
+    peer = subprocess.Popen([sys.executable, "-c", ZMQ_PEER, str(nbytes)], stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        sock.connect(peer.stdout.readline().strip())
+        payload = np.ones(nbytes // 4, dtype=np.float32)
+
+        def push() -> None:
+            sock.send_multipart([b"push", payload], copy=False)
+            sock.recv_multipart(copy=False)
+
+        def pull() -> None:
+            sock.send(b"pull")
+            (frame,) = sock.recv_multipart(copy=False)
+            assert len(frame.buffer) == nbytes
+
+        out = {"push": median_seconds(push, repeats), "pull": median_seconds(pull, repeats)}
+        sock.send(b"stop")
+        sock.recv()
+    finally:
+        sock.close()
+        ctx.term()
+        try:
+            peer.wait(10)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
+        peer.stdout.close()
+    return out
+
+
+def fluidps_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
+    """Median seconds of exe.scope[name] (pull) and exe.scope[name] = v (push) for a
+    [1024, nbytes / 4096] float32 parameter held by the one pserver of a 1x1 job."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [1024])
+        out = layers.fc(x, nbytes // 4 // 1024, param_attr=fluidps.ParamAttr(name="bw.w"), bias_attr=False)
+        loss = layers.mean(out)
+        optimizer.SGD(0.01).minimize(loss)
+    job = fluidps.JobDesc(pservers=1, trainers=1, mode="sync")
+    with fluidps.RemoteExecutor(job) as exe:
+        exe.run(startup)
+        exe.run(main, feed={"x": np.ones((2, 1024), np.float32)}, fetch_list=[loss])  # deploys
+        value = np.asarray(exe.scope["bw.w"]).copy()
+        assert value.nbytes == nbytes
+
+        def pull() -> None:
+            exe.scope.invalidate()  # gathered values are cached until the next step or write
+            exe.scope["bw.w"]
+
+        def push() -> None:
+            exe.scope["bw.w"] = value
+
+        return {"pull": median_seconds(pull, repeats), "push": median_seconds(push, repeats)}
+
+
+def bench_bandwidth(nbytes: int, repeats: int) -> None:
+    raw = zmq_bandwidth(nbytes, repeats)
+    ours = fluidps_bandwidth(nbytes, repeats)
+    for op in ("pull", "push"):
+        sent = "pserver (the trainer pulls it before its next step)" if op == "push" else "pserver"
+        print(
+            json.dumps(
+                bandwidth_row(
+                    op,
+                    "fluidps exe.scope",
+                    nbytes,
+                    ours[op],
+                    repeats,
+                    to=sent,
+                    vs_pyzmq=round(raw[op] / ours[op], 3),
+                    processes=3,  # this client, the pserver and the trainer
+                )
+            ),
+            flush=True,
+        )
+        print(
+            json.dumps(
+                bandwidth_row(
+                    op, "pyzmq copy=False", nbytes, raw[op], repeats, to="ROUTER subprocess", processes=2
+                )
+            ),
+            flush=True,
+        )
