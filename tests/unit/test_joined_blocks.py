@@ -14,7 +14,7 @@ from fluidps.transpiler import DistributeTranspiler, DistributeTranspilerConfig
 ENDPOINT = "127.0.0.1:6170"
 
 
-def _pserver_program(optimizer):
+def _pserver_program(optimizer, mode="sync"):
     main, startup = fluidps.Program(), fluidps.Program()
     with fluidps.program_guard(main, startup):
         x = layers.data("x", shape=[8], dtype="float32")
@@ -22,7 +22,7 @@ def _pserver_program(optimizer):
         hidden = layers.fc(x, size=16, act="relu")
         loss = layers.mean(layers.elementwise_sub(layers.fc(hidden, size=1), y))
         optimizer.minimize(loss)
-    t = DistributeTranspiler(DistributeTranspilerConfig(slice_var_up=False))
+    t = DistributeTranspiler(DistributeTranspilerConfig(slice_var_up=False, mode=mode))
     t.transpile(0, program=main, pservers=ENDPOINT, trainers=1, startup_program=startup)
     return t.get_pserver_programs(ENDPOINT)
 
@@ -55,6 +55,18 @@ def test_a_joined_block_holds_the_blocks_ops_in_order_and_leaves_the_program_as_
     ]
     assert joined.program is not program and joined.parent_idx == program.block(ids[0]).parent_idx
     assert program.serialize_to_string() == before
+
+
+def test_a_joined_async_block_takes_every_gradient_off_its_queue_first():
+    """Each async block dequeues its gradient, then updates: joined, the dequeues come
+    first, so the updates sit side by side (one compiled call), each block's order kept."""
+    program, _ = _pserver_program(fluidps.optimizer.Adam(0.01), mode="async")
+    ids = _optimize_blocks(program)
+    assert all([op.type for op in program.block(i).ops] == ["dequeue", "adam"] for i in ids)
+    joined = joined_block(program, ids)
+    assert [op.type for op in joined.ops] == ["dequeue"] * len(ids) + ["adam"] * len(ids)
+    queues = [op.attr("queue_name") for op in joined.ops[: len(ids)]]
+    assert queues == [op.input("Grad")[0] for op in joined.ops[len(ids) :]]
 
 
 def test_blocks_that_declare_the_same_variable_are_not_joined():
