@@ -105,7 +105,7 @@ def test_mlp_trainer_program(mode):
     ]
     sent = [n for op in sends for n in op.input("X")]
     assert sorted(sent) == sorted(n for op in sends for n in op.attr("send_varnames")) == sorted(grads)
-    assert all(op.attr("bucket_bytes") == 256 * 1024 for op in sends)
+    assert all(op.attr("bucket_bytes") == 1024 * 1024 for op in sends)
     # One recv carries every slice, each from its owner.
     recv = next(op for op in block if op.type == "recv")
     params = ["fc_0.w_0.block0", "fc_0.w_0.block1", "fc_0.b_0", "fc_1.w_0", "fc_1.b_0"]
