@@ -60,6 +60,7 @@ class BlockRunner:
     ):
         self.block = block
         self._profile = getattr(runtime, "profile", None)
+        self._compute = compute  # the profile category of its compute (a pserver's: optimize)
         self._categories = [
             None if op.type in UNTIMED_OPS else op.type if op.type in COMMUNICATION_OPS else compute
             for op in block.ops
@@ -155,7 +156,7 @@ class BlockRunner:
                 try:
                     self._run_segment(segment, env)
                 finally:
-                    self._profile.add("compute", time.perf_counter() - start)
+                    self._profile.add(self._compute, time.perf_counter() - start)
             index = segment.stop
 
     def _run_op(self, index: int, env: Any) -> None:

@@ -1,5 +1,7 @@
 """A pserver's optimize blocks run joined as one block: the same bits as block by block."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from fluidps.errors import ExecutionError
 from fluidps.executor.block_runner import BlockRunner
 from fluidps.executor.compiler import Compiler, ModuleCache
 from fluidps.executor.ps.joined_blocks import JoinedBlocks, joined_block
+from fluidps.profiling import Profile
 from fluidps.transpiler import DistributeTranspiler, DistributeTranspilerConfig
 
 ENDPOINT = "127.0.0.1:6170"
@@ -118,3 +121,21 @@ def test_a_failing_joined_block_names_the_blocks_it_joins():
         ExecutionError, match=rf"optimize blocks \[{ids[0]}, {ids[1]}\], run joined as one: .*sgd"
     ):
         JoinedBlocks(program, runners, BlockRunner).run(ids[:2], env)
+
+
+def test_compiled_optimize_blocks_count_as_optimize_in_a_profile(tmp_path):
+    program, startup = _pserver_program(fluidps.optimizer.Adam(0.01))
+    ids = _optimize_blocks(program)
+    runtime = SimpleNamespace(profile=Profile())  # what a profiled process's runtime gives
+    compiler = Compiler(ModuleCache(tmp_path), compile_after=2)
+
+    def runner_for(block):
+        return BlockRunner(block, runtime, compute="optimize", compiler=compiler)
+
+    joined = JoinedBlocks(program, {i: runner_for(program.block(i)) for i in ids}, runner_for)
+    env = _env(program, startup, seed=3)
+    for _ in range(3):
+        joined.run(ids, env)
+    assert joined.runners[0].compiled_ops == len(ids)
+    calls = runtime.profile.report()["calls"]
+    assert calls == {"optimize": len(ids) + 2}  # run 1 op by op, then one compiled call a run
