@@ -4,7 +4,7 @@ It receives requests, keeps track of the trainers, and hands each event to the
 strategy of its mode (fluidps.executor.ps.strategies: sync, async, ssp), which
 applies gradients and says when a GET may be answered; GETs that may not be
 answered yet wait in `deferred`, and async SENDs whose gradients are not applied
-yet in `unapplied` (optimize workers wake the loop when they apply one). A
+yet in `unapplied` (the optimize thread wakes the loop when it applies one). A
 PREFETCH (rows of a distributed table's block, by index) is a pull like a GET:
 checked, then answered when a GET would be.
 
@@ -214,7 +214,7 @@ class ParameterServer:
             self._waker.wake()
 
     def applied(self) -> None:
-        """An optimize worker applied a gradient (thread-safe): a SEND may be acknowledged.
+        """The optimize thread applied gradients (thread-safe): a SEND may be acknowledged.
         (It counted the gradient before this looks at `unapplied`, and the loop appends
         only SENDs it found not yet applied, so none is missed.)"""
         if self.unapplied:

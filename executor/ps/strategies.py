@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 _WORKER_POLL = 0.05  # seconds the async optimize thread waits for a message before checking for a stop
 # An async SEND is acknowledged once at most this many gradients queued before and with
-# each of its own are still to be applied: the optimize workers always have the next
+# each of its own are still to be applied: the optimize thread always has the next
 # one at hand, and no trainer gets further ahead of its pserver than that.
 ASYNC_BACKLOG = 2
 
