@@ -39,6 +39,10 @@ ALLOWED_DTYPES = frozenset(
         VarType.BOOL,
     }
 )
+# Looked up once a tensor, so made once: each allowed dtype's wire number -> its
+# little-endian numpy dtype, and each numpy dtype that may be sent -> its wire number.
+_WIRE_DTYPES = {int(vt): to_numpy_dtype(vt).newbyteorder("<") for vt in ALLOWED_DTYPES}
+_SENDABLE = {to_numpy_dtype(vt): vt for vt in ALLOWED_DTYPES}
 MAX_DIMS = 12
 MAX_DIM = 1 << 40
 MAX_NAME = 1024
@@ -81,6 +85,9 @@ def _frame(array: np.ndarray) -> memoryview:
 
 
 def _vartype(dtype: np.dtype, name: str) -> VarType:
+    vt = _SENDABLE.get(dtype)  # (native byte order: the common case)
+    if vt is not None:
+        return vt
     try:
         vt = to_vartype(dtype.newbyteorder("="))
     except Exception as e:
@@ -183,9 +190,9 @@ def decode(frames: list[Any]) -> Message:
 
 
 def _tensor(meta: pb.TensorMeta, name: str, frames: list[Any]) -> Any:
-    if not meta.HasField("dtype") or meta.dtype not in {int(d) for d in ALLOWED_DTYPES}:
+    dtype = _WIRE_DTYPES.get(meta.dtype) if meta.HasField("dtype") else None
+    if dtype is None:
         raise WireError(f"tensor {name!r}: dtype {meta.dtype} is not allowed")
-    dtype = _wire_dtype(to_numpy_dtype(VarType(meta.dtype)))
     dims = list(meta.dims)
     # Zero-sized dims aside, the element count is bounded too: numpy refuses shapes
     # like [0, 2**40, 2**40] whose nonzero dims overflow its size arithmetic.
