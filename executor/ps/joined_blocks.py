@@ -71,6 +71,7 @@ class JoinedBlocks:
         self._joined: dict[tuple[int, ...], BlockRunner | None] = {}
 
     def run(self, ids: Sequence[int], env: Any) -> None:
+        """Run blocks `ids` on `env`: joined as one block when they can be."""
         key = tuple(ids)
         if len(key) == 1:
             self._runners[key[0]].run(env)
@@ -91,8 +92,8 @@ class JoinedBlocks:
     @property
     def sets(self) -> list[list[int]]:
         """The sets of blocks run joined so far (those that could be joined)."""
-        return [list(key) for key, r in list(self._joined.items()) if r is not None]  # (a copy: the
-        # optimize thread may add one meanwhile)
+        joined = list(self._joined.items())  # a copy: the optimize thread may add one meanwhile
+        return [list(key) for key, runner in joined if runner is not None]
 
     @property
     def runners(self) -> list[BlockRunner]:
