@@ -97,7 +97,7 @@ class ParameterServer:
             i: host.runner_for(program.block(i))
             for i in set(self.grad_block.values()) | set(self.queue_block.values())
         }
-        self.joined = JoinedBlocks(program, self.blocks, host.runner_for)  # sync: a message's blocks at once
+        self.joined = JoinedBlocks(program, self.blocks, host.runner_for)  # a message's blocks, run as one
         lr = op.attr("lr_decay_block_id")
         self.lr_block = host.runner_for(program.block(lr)) if lr >= 0 else None
         self.declared = set(program.global_block().vars)
@@ -267,7 +267,7 @@ class ParameterServer:
             },
             "rss_bytes": resident_bytes(),
             "compiled_ops": sum(r.compiled_ops for r in self._runners()),  # 0: interpreted
-            "joined_blocks": self.joined.sets,  # optimize blocks run as one (sync)
+            "joined_blocks": self.joined.sets,  # sets of optimize blocks run as one block
             "max_message_bytes": self.settings.message_limit,
         }
         if rows is not None:
