@@ -91,8 +91,13 @@ class BlockRunner:
 
     def run(self, env: Any) -> None:
         self._runs += 1
-        if self._compiler is not None and not self._compiled and self._runs >= 2:
-            self._compile(cached_only=self._runs < self._compiler.compile_after)
+        if self._compiler is not None and not self._compiled:
+            # Run 2 looks for code on disk (generating the source to name it); if it is not
+            # there, nothing is tried again until run compile_after, which compiles.
+            if self._runs >= self._compiler.compile_after:
+                self._compile()
+            elif self._runs == 2:
+                self._compile(cached_only=True)
         if self.segments:
             self._run_compiled(env)
             return
