@@ -73,20 +73,6 @@ def serve(workload: str, batch: int, address: str) -> None:
         socket.send_multipart([client, *(np.asarray(scope[p]) for p, _ in pairs)], copy=False)
 
 
-def local_rate(w: Workload, repeats: int, warmup: int) -> float:
-    """Samples/s of local training (a compiled fluidps.Executor) on the workload."""
-    main, startup, loss = w.build()
-    exe = fluidps.Executor()
-    exe.run(startup)
-    rate = timed(
-        lambda i: exe.run(main, feed=w.batches[i % len(w.batches)], fetch_list=[loss]),
-        w.steps,
-        repeats,
-        warmup,
-    )
-    return rate * len(next(iter(w.batches[0].values())))
-
-
 def raw_sync_rate(w: Workload, repeats: int, warmup: int) -> tuple[float, float]:
     """(samples/s, the last step's loss) of the workload's 1x1 sync exchange over raw pyzmq."""
     batch = len(next(iter(w.batches[0].values())))
@@ -157,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         serve(args.workload, args.batch, args.serve)
         return
     w = make(args.workload, args.batch, args.steps)
-    local, (raw, loss) = local_rate(w, args.repeats, WARMUP), raw_sync_rate(w, args.repeats, WARMUP)
+    from bench.distributed import run_local  # (bench.distributed imports this module)
+
+    local, _ = run_local(w, args.repeats, WARMUP, compiled=True)
+    raw, loss = raw_sync_rate(w, args.repeats, WARMUP)
     print(json.dumps({"bench": w.name, "mode": "local", "samples_per_s": round(local, 1)}))
     print(
         json.dumps(
