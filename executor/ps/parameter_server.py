@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
+from fluidps.executor.ps import pserver_stats
 from fluidps.executor.ps.checkpointer import Checkpointer
 from fluidps.executor.ps.gradients import GradientSpec, RowLog
 from fluidps.executor.ps.joined_blocks import JoinedBlocks
 from fluidps.executor.ps.membership import DONE, Claim, Membership
 from fluidps.executor.ps.message_limit import message_limit
 from fluidps.executor.ps.strategies import STRATEGIES
-from fluidps.executor.resources import resident_bytes
 from fluidps.executor.transport.ratelimit import RateLimitedLog
 from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message
@@ -53,7 +53,6 @@ from fluidps.ops.selected_rows import SelectedRows
 from fluidps.ops.sparse_table import SparseTable
 
 if TYPE_CHECKING:
-    from fluidps.executor.block_runner import BlockRunner
     from fluidps.executor.ps.host import PserverHost
 
 IDLE_TIMEOUT = 3600.0  # seconds without any message while trainers are live
@@ -65,10 +64,6 @@ _PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (s
 CLOCK_LOG_LIMIT = 100_000  # clock and grant events
 CLAIMS_LIMIT = 64  # connections whose new incarnation waits for a trainer id (more are refused)
 STALL_LOG_S = 30.0  # requests waiting this long on a step: the pserver says what for
-# Over the wire (STATS) the stats are compact: the recent clock log, and which rows arrived
-# only while they are few; a message's text must stay far below the wire's limit.
-WIRE_CLOCK_EVENTS = 1000
-WIRE_UNIQUE_ROWS = 50_000
 
 
 def _pairs(values: list[str]) -> dict[str, int]:
@@ -231,50 +226,9 @@ class ParameterServer:
         previous = signal.signal(signal.SIGTERM, on_sigterm)
         return signal.SIG_DFL if previous in (None, signal.SIG_IGN) else previous
 
-    def _runners(self) -> list[BlockRunner]:
-        """The runners of its optimize blocks and learning-rate block."""
-        lr = [self.lr_block] if self.lr_block is not None else []
-        return [*self.blocks.values(), *self.joined.runners, *lr]
-
     def stats(self, compact: bool = False) -> dict[str, Any]:
-        """Counters, clocks and logs (copies: a snapshot). `compact` (for the wire): the
-        last WIRE_CLOCK_EVENTS clock events, and the rows each sparse gradient brought
-        as a set, only while there are at most WIRE_UNIQUE_ROWS of them."""
-        clock_log = list(self.clock_log)
-        if compact:
-            clock_log = clock_log[-WIRE_CLOCK_EVENTS:]
-            unique = {grad: log.unique() for grad, log in self.received_rows.items()}
-            few = sum(len(u) for u in unique.values()) <= WIRE_UNIQUE_ROWS
-            rows = {grad: u.tolist() for grad, u in unique.items()} if few else None
-        else:
-            rows = {grad: log.rows() for grad, log in self.received_rows.items()}
-        out = {
-            "mode": self.mode,
-            **self.strategy.stats(),
-            "clocks": {str(t): m.clock for t, m in self.members.members.items()},
-            "trainers": {str(t): m.state for t, m in self.members.members.items()},
-            "clock_log": clock_log,
-            "live_trainers": sorted(self.members.live),
-            "deferred_gets": len(self.deferred),
-            "unapplied_sends": len(self.unapplied),
-            "rejected": self.server.rejected if self.server else 0,
-            "received_row_counts": {grad: log.total for grad, log in self.received_rows.items()},
-            "checkpoints": list(self.checkpoints.saved),
-            "restored_step": self.checkpoints.restored_step,
-            "log": self.log_lines[-200:] if compact else list(self.log_lines),
-            "hashed_tables": {
-                n: v.stats() for n in self.served if isinstance(v := self.env.get(n), SparseTable)
-            },
-            "rss_bytes": resident_bytes(),
-            "compiled_ops": sum(r.compiled_ops for r in self._runners()),  # 0: interpreted
-            "joined_blocks": self.joined.sets,  # sets of optimize blocks run as one block
-            "max_message_bytes": self.settings.message_limit,
-        }
-        if rows is not None:
-            out["received_rows"] = rows
-        if self.host.profile is not None:
-            out["profile"] = self.host.profile.report(steps=self.strategy.steps)
-        return out
+        """Counters, clocks and logs, as a snapshot (fluidps.executor.ps.pserver_stats)."""
+        return pserver_stats.snapshot(self, compact)
 
     # -- requests ---------------------------------------------------------------------------
 

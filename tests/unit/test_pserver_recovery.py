@@ -353,7 +353,7 @@ def test_ssp_staleness_bounds_how_far_a_trainer_runs_ahead(staleness):
 def test_stats_over_the_wire_stay_compact_however_many_rows_arrive(monkeypatch):
     """STATS answers with counts always, and with the set of rows that arrived only while
     it is small: a long job's row log must not outgrow a message (or the pserver's memory)."""
-    from fluidps.executor.ps import parameter_server as pserver_module
+    from fluidps.executor.ps import pserver_stats
 
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = 2
@@ -363,7 +363,7 @@ def test_stats_over_the_wire_stay_compact_however_many_rows_arrive(monkeypatch):
         emb = fluidps.layers.reshape(fluidps.layers.embedding_v2(ids, [1000, 4], is_sparse=True), [-1, 16])
         loss = fluidps.layers.mean(fluidps.layers.softmax_with_cross_entropy(fluidps.layers.fc(emb, 2), y))
         fluidps.optimizer.SGD(0.1).minimize(loss)
-    monkeypatch.setattr(pserver_module, "WIRE_UNIQUE_ROWS", 40)
+    monkeypatch.setattr(pserver_stats, "WIRE_UNIQUE_ROWS", 40)
     job = Job(main, startup, pservers=1)
     exe, trainer = job.trainer()
     rng = np.random.default_rng(0)

@@ -1,0 +1,57 @@
+"""What a pserver reports of itself (ParameterServer.stats, a STATS request): its
+counters, clocks, logs and tables, as a snapshot that later requests do not change."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fluidps.executor.resources import resident_bytes
+from fluidps.ops.sparse_table import SparseTable
+
+if TYPE_CHECKING:
+    from fluidps.executor.ps.parameter_server import ParameterServer
+
+# Over the wire (STATS) the stats are compact: the recent clock log, and which rows arrived
+# only while they are few; a message's text must stay far below the wire's limit.
+WIRE_CLOCK_EVENTS = 1000
+WIRE_UNIQUE_ROWS = 50_000
+
+
+def snapshot(ps: ParameterServer, compact: bool = False) -> dict[str, Any]:
+    """Counters, clocks and logs (copies). `compact` (for the wire): the last
+    WIRE_CLOCK_EVENTS clock events, and the rows each sparse gradient brought as a set,
+    only while there are at most WIRE_UNIQUE_ROWS of them."""
+    clock_log = list(ps.clock_log)
+    if compact:
+        clock_log = clock_log[-WIRE_CLOCK_EVENTS:]
+        unique = {grad: log.unique() for grad, log in ps.received_rows.items()}
+        few = sum(len(u) for u in unique.values()) <= WIRE_UNIQUE_ROWS
+        rows = {grad: u.tolist() for grad, u in unique.items()} if few else None
+    else:
+        rows = {grad: log.rows() for grad, log in ps.received_rows.items()}
+    runners = [*ps.blocks.values(), *ps.joined.runners, *([ps.lr_block] if ps.lr_block is not None else [])]
+    out = {
+        "mode": ps.mode,
+        **ps.strategy.stats(),
+        "clocks": {str(t): m.clock for t, m in ps.members.members.items()},
+        "trainers": {str(t): m.state for t, m in ps.members.members.items()},
+        "clock_log": clock_log,
+        "live_trainers": sorted(ps.members.live),
+        "deferred_gets": len(ps.deferred),
+        "unapplied_sends": len(ps.unapplied),
+        "rejected": ps.server.rejected if ps.server else 0,
+        "received_row_counts": {grad: log.total for grad, log in ps.received_rows.items()},
+        "checkpoints": list(ps.checkpoints.saved),
+        "restored_step": ps.checkpoints.restored_step,
+        "log": ps.log_lines[-200:] if compact else list(ps.log_lines),
+        "hashed_tables": {n: v.stats() for n in ps.served if isinstance(v := ps.env.get(n), SparseTable)},
+        "rss_bytes": resident_bytes(),
+        "compiled_ops": sum(r.compiled_ops for r in runners),  # 0: interpreted
+        "joined_blocks": ps.joined.sets,  # sets of optimize blocks run as one block
+        "max_message_bytes": ps.settings.message_limit,
+    }
+    if rows is not None:
+        out["received_rows"] = rows
+    if ps.host.profile is not None:
+        out["profile"] = ps.host.profile.report(steps=ps.strategy.steps)
+    return out
