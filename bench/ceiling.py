@@ -29,28 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench packag
 import fluidps
 from bench.local import timed
 from bench.workloads import Workload, make
-from fluidps.ir.types import OP_ROLE_ATTR, OpRole
+from fluidps.transpiler.analysis import analyze
 
 WARMUP = 30  # steps before the timed windows: past the step where blocks compile
 PEER_TIMEOUT_MS = 60_000  # a generous bound for a hung peer, not a performance claim
 
 
 def split(main: fluidps.Program) -> tuple[fluidps.Program, fluidps.Program, list[tuple[str, str]]]:
-    """(forward and backward, the optimizer ops, [(parameter, gradient)]) of `main`, as
-    two copies of it (main is not changed)."""
+    """(what a trainer runs, what its pserver runs, [(parameter, gradient sent)]) of
+    `main`, as two copies of it (main is not changed), cut where DistributeTranspiler
+    cuts (fluidps.transpiler.analysis)."""
+    roles = analyze(main)
+    moved = roles.pserver_ops
     compute, optimize = main.clone(), main.clone()
-
-    def updates(op) -> bool:
-        return bool(op.has_attr(OP_ROLE_ATTR) and op.attr(OP_ROLE_ATTR) & (OpRole.Optimize | OpRole.LRSched))
-
-    pairs = [
-        (op.input("Param")[0], op.input("Grad")[0])
-        for op in main.global_block().ops
-        if updates(op) and "Param" in op.inputs and "Grad" in op.inputs
-    ]
-    compute.global_block().ops = [op for op in compute.global_block().ops if not updates(op)]
-    optimize.global_block().ops = [op for op in optimize.global_block().ops if updates(op)]
-    return compute, optimize, pairs
+    compute.global_block().ops = [op for i, op in enumerate(compute.global_block().ops) if i not in moved]
+    optimize.global_block().ops = [op for i, op in enumerate(optimize.global_block().ops) if i in moved]
+    return compute, optimize, [(u.param, u.grad) for u in roles.updates]
 
 
 def serve(workload: str, batch: int, address: str) -> None:
