@@ -68,12 +68,14 @@ def main() -> None:
     rates, last = [], None
     try:
         exe.run(t.get_trainer_startup_program())
-        for i in range(args.warmup):
-            exe.run(program, feed=feeds[i % len(feeds)], fetch_list=[loss])
+        # run_batches: each step is told the next batch (its table rows come with this step's values)
+        for _ in exe.run_batches(program, (feeds[i % len(feeds)] for i in range(args.warmup)), [loss]):
+            pass
         for r in range(args.repeats):
             began = time.perf_counter()
-            for i in range(args.steps):
-                (last,) = exe.run(program, feed=feeds[(r * args.steps + i) % len(feeds)], fetch_list=[loss])
+            steps = (feeds[(r * args.steps + i) % len(feeds)] for i in range(args.steps))
+            fetched = list(exe.run_batches(program, steps, [loss]))  # (a loss per step: a few KiB)
+            (last,) = fetched[-1]
             rates.append(args.steps / (time.perf_counter() - began))
     finally:
         for problem in exe.close():

@@ -12,7 +12,7 @@ loads the distributed runtime (nor ZeroMQ).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from fluidps.executor.runtime import Runtime, RuntimeConfig
 
 FetchTarget = Variable | str
+# The feed of the step after this one: given, or a function giving it when asked (None: not known)
+NextFeed = Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None
 
 # Ops whose kernels take part in a job: a program using them needs the Runtime.
 RUNTIME_OPS = frozenset(
@@ -109,6 +111,7 @@ class PreparedProgram:
         self.readers = [op.input("Reader")[0] for op in block.ops if op.type == "read"]
         self.persistables = [n for n, v in block.vars.items() if v.persistable and n not in _HOLDERS]
         self.fetch_names = list(fetch_names)
+        self.computed = written  # what its ops write: a next step's feed of these tells nothing
 
     def _read_from_scope(self, name: str) -> None:
         if name not in self.scope_reads:
@@ -151,10 +154,12 @@ class PreparedProgram:
 
     # -- running -----------------------------------------------------------------------
 
-    def run(self, scope: Scope, feed: Mapping[str, Any], return_numpy: bool) -> list[Any]:
+    def run(
+        self, scope: Scope, feed: Mapping[str, Any], return_numpy: bool, next_feed: NextFeed = None
+    ) -> list[Any]:
         env: dict[str, Any] = {}
         if self.counts_steps and self.runtime is not None:
-            self.runtime.trainer.begin_step()
+            self.runtime.trainer.begin_step(self._next_feed(next_feed))
             if self.runtime.profile is not None:
                 self.runtime.profile.step()
         for name in self.scope_reads:
@@ -197,6 +202,17 @@ class PreparedProgram:
         for name in self.readers:
             env[name].observe(results)  # the step's loss, reported with its task
         return [_to_numpy(v) if return_numpy else v for v in results]
+
+    def _next_feed(self, next_feed: NextFeed) -> Callable[[], Mapping[str, Any] | None] | None:
+        """What the trainer asks for the next step's feed: its variables no op computes."""
+        if next_feed is None:
+            return None
+
+        def given() -> Mapping[str, Any] | None:
+            feed = next_feed() if callable(next_feed) else next_feed
+            return None if feed is None else {n: v for n, v in feed.items() if n not in self.computed}
+
+        return given
 
     def _fetch(self, env: dict[str, Any], name: str) -> Any:
         if name not in env:
@@ -292,16 +308,51 @@ class Executor:
         fetch_list: Sequence[FetchTarget] | None = None,
         scope: Scope | None = None,
         return_numpy: bool = True,
+        *,
+        next_feed: NextFeed = None,
     ) -> list[Any]:
         """Run `program` once. Returns the fetched values in `fetch_list` order
         (or the program's own fetch ops' results when it has them and no
-        fetch_list is given)."""
+        fetch_list is given).
+
+        `next_feed`, the feed of the step that runs next (or a function giving it when
+        asked, None while not known), saves a sync trainer a round trip a step: it
+        asks its pservers for the distributed-table rows of that batch together with
+        this step's parameters (see exe.run_batches). Results are the same either way."""
         if not isinstance(program, Program):
             raise ProgramError("Executor.run needs a Program (fluidps has no default program)")
         feed = dict(feed or {})
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
         prepared = self.prepare(program, feed.keys(), fetch_names)
-        return prepared.run(self.scope if scope is None else scope, feed, return_numpy)
+        return prepared.run(self.scope if scope is None else scope, feed, return_numpy, next_feed)
+
+    def run_batches(
+        self,
+        program: Program,
+        batches: Iterable[Mapping[str, Any]],
+        fetch_list: Sequence[FetchTarget] | None = None,
+        scope: Scope | None = None,
+        return_numpy: bool = True,
+    ) -> Iterator[list[Any]]:
+        """Run `program` on each fed batch in turn, yielding each step's fetches, as
+        RemoteExecutor.run_batches does. The results are those of run() on each batch;
+        a trainer of a sync job with distributed tables is also told each next batch
+        (run's `next_feed`: a batch is taken from `batches` one step early), so that
+        its rows come with the step before's parameters: one round trip a step."""
+        end = object()
+        it = iter(batches)
+        feed = next(it, end)
+        while feed is not end:
+            upcoming = next(it, end)
+            yield self.run(
+                program,
+                feed,
+                fetch_list,
+                scope,
+                return_numpy,
+                next_feed=None if upcoming is end else upcoming,
+            )
+            feed = upcoming
 
     def prepare(self, program: Program, feed_names: Any, fetch_names: Sequence[str]) -> PreparedProgram:
         """The cached PreparedProgram for this program version and feed / fetch names."""

@@ -10,7 +10,7 @@ never import the executor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -62,7 +62,13 @@ class TrainerChannel(Protocol):
 
     def prefetch(self, items: Sequence[Prefetch], trainer_id: int) -> list[np.ndarray]:
         """The rows asked for, one array per item, in one message per pserver (in sync
-        mode once the step before is applied, as a pull)."""
+        mode once the step before is applied, as a pull); rows asked for ahead
+        (prefetch_next) for exactly these items come without a message."""
+
+    def prefetch_next(self, plan: Callable[[Mapping[str, Any]], Sequence[Prefetch] | None]) -> None:
+        """Sync mode: when this step's barrier goes to the pservers, ask them for the rows
+        `plan(next feed)` names (None: none), answered once this step is applied, for
+        the next step's prefetch. Nothing is asked when the next step's feed is not known."""
 
     def send_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
         """This step's gradients are all sent (sync mode); its next pull from each pserver

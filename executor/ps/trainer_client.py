@@ -14,6 +14,13 @@ TrainerChannel). A step costs each pserver as few round trips as the program all
 - What was sent without waiting is acknowledged with the next exchange that waits
   (a pserver handles one trainer's messages in order, so that exchange sees it); an
   error in it surfaces there. Held messages go at the end of a step at the latest.
+- Distributed tables cost no round trip of their own when the next step's feed is
+  known (Executor.run(next_feed=...), exe.run_batches, an executor server with the
+  next RUN queued): in sync mode, right behind the message carrying a step's barrier
+  goes a PREFETCH of the rows the next step's batch will look up. A pserver answers it
+  once the step is applied, as it answers the GET, so the rows are those a prefetch at
+  the start of the next step would read (nothing changes them until this trainer sends
+  again); that prefetch, asking for exactly those rows, takes them without a message.
 
 It also keeps what async mode keeps between steps (the gradients summed for
 `send_interval`, the values pulled for `recv_interval`), so that preparing the
@@ -25,7 +32,8 @@ last pulled in the background.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,6 +49,27 @@ from fluidps.executor.transport.wire import Kind, Message
 from fluidps.ops.runtime_api import Communicate, Prefetch, Pull, Push
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.profiling import Profile
+
+# What a kernel gives prefetch_next: the rows to ask for, from the next step's feed.
+PrefetchPlan = Callable[[Mapping[str, Any]], Sequence[Prefetch] | None]
+
+
+@dataclass
+class _Ahead:
+    """A PREFETCH sent behind a step's barrier, for the prefetches of the step after it
+    (one per lookup op: each takes its table blocks' rows from the one answer)."""
+
+    step: int  # the step whose prefetches it serves
+    client: RpcClient
+    rid: int
+    rows: dict[str, np.ndarray]  # table block -> the row indices asked for, not taken yet
+    reply: Message | None = None  # once waited for
+
+    def serves(self, step: int, asked: dict[str, Any]) -> bool:
+        """Whether it holds exactly the rows of `asked` (table block -> row indices) for `step`."""
+        return step == self.step and all(
+            name in self.rows and np.array_equal(self.rows[name], rows) for name, rows in asked.items()
+        )
 
 
 class TrainerClient:
@@ -71,6 +100,12 @@ class TrainerClient:
         self._steps_seen: dict[str, int] = {}  # per pserver: its steps done at this trainer's last idle round
         # The last values pulled by each recv: async recv_interval and the communicator reuse them
         self._downloaded: dict[tuple, list[Any]] = {}
+        # Rows of the next step's batch, asked for behind this step's barrier (see the module doc)
+        self._next_feed: Callable[[], Mapping[str, Any] | None] | None = None
+        self._plans: list[PrefetchPlan] = []
+        self._ahead: dict[str, _Ahead] = {}
+        # Prefetches (one per pserver) served by rows asked for ahead, and sent as messages
+        self.prefetches = {"served_ahead": 0, "sent": 0}
 
     def client(self, endpoint: str, trainer_id: int = -1) -> RpcClient:
         if endpoint not in self._clients:
@@ -91,12 +126,22 @@ class TrainerClient:
                 self._keepalive.add(endpoint)
         return self._clients[endpoint]
 
-    def begin_step(self) -> None:
+    def begin_step(self, next_feed: Callable[[], Mapping[str, Any] | None] | None = None) -> None:
         """A step starts: what the last one sent without waiting is acknowledged first, so
-        that at most a step's worth of messages is ever unacknowledged."""
+        that at most a step's worth of messages is ever unacknowledged. `next_feed` gives
+        the feed of the step after this one, when asked (None: not known yet)."""
         self.settle()
         self.step += 1
         self._paused = False  # what this step sends resumes it
+        self._next_feed, self._plans = next_feed, []
+        for endpoint in [ep for ep, a in self._ahead.items() if a.step < self.step]:
+            self._drop_ahead(endpoint)  # asked for a step that did not look them up
+
+    def forget_prefetched(self) -> None:
+        """Rows asked for ahead may be stale (a pserver's values were set from outside
+        the job's steps): the next prefetch asks again."""
+        for endpoint in list(self._ahead):
+            self._drop_ahead(endpoint)
 
     def end_step(self) -> None:
         """The step's program is done: what it still holds goes now (not waited for)."""
@@ -189,15 +234,33 @@ class TrainerClient:
 
     def prefetch(self, items: Sequence[Prefetch], trainer_id: int) -> list[np.ndarray]:
         """The rows (endpoint, table block, row indices) asked for: one PREFETCH per pserver,
-        waited for. Each reply must hold every row asked for."""
+        waited for; or, from a pserver asked for exactly these rows behind the last
+        step's barrier, its answer to that. Each reply must hold every row asked for."""
         requests: dict[str, Message] = {}
         for endpoint, name, rows in items:
             msg = requests.setdefault(endpoint, Message(Kind.PREFETCH, trainer_id=trainer_id, step=self.step))
             if name in msg.tensors:
                 raise TransportError(f"rows of {name!r} asked twice from pserver {endpoint} in one prefetch")
             msg.tensors[name] = rows
+        served = {}
+        for endpoint in [ep for ep in requests if ep in self._ahead]:
+            if self._ahead[endpoint].serves(self.step, requests[endpoint].tensors):
+                served[endpoint] = (self._ahead[endpoint], list(requests.pop(endpoint).tensors))
+            else:
+                self._drop_ahead(endpoint)
+        self.prefetches["served_ahead"] += len(served)
+        self.prefetches["sent"] += len(requests)
         self._flush([ep for ep in requests if ep in self._held])  # ahead of the prefetch, in order
-        replies = self._exchange(requests, trainer_id, wait=True)
+        replies = self._exchange(requests, trainer_id, wait=True) if requests else {}
+        unanswered = {ep: (a.client, a.rid) for ep, (a, _) in served.items() if a.reply is None}
+        for endpoint, reply in wait_all(unanswered).items():
+            served[endpoint][0].reply = reply
+        for endpoint, (ahead, taken) in served.items():
+            replies[endpoint] = ahead.reply
+            for name in taken:
+                del ahead.rows[name]
+            if not ahead.rows:
+                del self._ahead[endpoint]
         out = []
         for endpoint, name, rows in items:
             value = replies[endpoint].tensors.get(name)
@@ -209,6 +272,11 @@ class TrainerClient:
                 )
             out.append(value)
         return out
+
+    def prefetch_next(self, plan: PrefetchPlan) -> None:
+        """Sync mode: behind this step's barrier, ask for the rows `plan(next feed)` names
+        (see the module doc); not asked when the next feed is not known by then."""
+        self._plans.append(plan)
 
     def send_barrier(self, endpoints: Sequence[str], trainer_id: int) -> None:
         """This step's gradients are all sent: the barrier rides on the step's next message
@@ -314,6 +382,9 @@ class TrainerClient:
         for endpoint, msg in requests.items():
             client = self.client(endpoint, trainer_id)
             issued[endpoint] = (client, client.request(msg))
+        if self._plans and any(msg.barrier for msg in requests.values()):
+            # Asked now, while the pservers apply the step: each is answered right after the GET.
+            self._ask_ahead([ep for ep, msg in requests.items() if msg.barrier], trainer_id)
         if not wait:
             self._unsettled += issued.values()
             return {}
@@ -338,6 +409,35 @@ class TrainerClient:
                 raise TransportError(f"pserver {endpoint} did not return {name!r}")
             out.append(tensors[name])
         return out
+
+    def _ask_ahead(self, endpoints: list[str], trainer_id: int) -> None:
+        """Send the PREFETCH of the next step's rows to each of `endpoints` that owns some
+        (they were just sent this step's barrier). Once a step: the plans are spent."""
+        plans, self._plans = self._plans, []
+        feed = self._next_feed() if self._next_feed is not None else None
+        if not feed:
+            return
+        wanted: dict[str, dict[str, np.ndarray]] = {}
+        clashes = set()  # two lookups of one table block (not asked ahead: one of them would miss)
+        for plan in plans:
+            for endpoint, name, rows in plan(feed) or ():
+                asked = wanted.setdefault(endpoint, {})
+                if name in asked:
+                    clashes.add(endpoint)
+                asked[name] = rows
+        for endpoint in endpoints:
+            if wanted.get(endpoint) and endpoint not in clashes:
+                self._drop_ahead(endpoint)
+                msg = Message(Kind.PREFETCH, trainer_id=trainer_id, step=self.step, tensors=wanted[endpoint])
+                client = self.client(endpoint, trainer_id)
+                self._ahead[endpoint] = _Ahead(self.step + 1, client, client.request(msg), wanted[endpoint])
+
+    def _drop_ahead(self, endpoint: str) -> None:
+        """Rows asked for ahead that no prefetch will take: an answer not received yet is
+        still waited for (with the next exchange that waits), so that an error in it surfaces."""
+        ahead = self._ahead.pop(endpoint, None)
+        if ahead is not None and ahead.reply is None:
+            self._unsettled.append((ahead.client, ahead.rid))
 
     def _to_all(self, kind: int, endpoints: Sequence[str], trainer_id: int, wait: bool = True) -> None:
         """One message of `kind` (no tensors) to each pserver of `endpoints`."""
@@ -367,6 +467,7 @@ class TrainerClient:
         if self._communicator is not None:
             problems += self._communicator.close()
             self._communicator = None
+        self.forget_prefetched()  # (their answers are waited for with the rest)
         try:
             self.settle()
         except TransportError as e:

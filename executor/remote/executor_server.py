@@ -197,6 +197,8 @@ class ExecutorServer:
         for name, value in msg.tensors.items():
             self.exe.scope[name] = value
         self._stale = self._stale or bool(msg.names)
+        if self._stale and self.exe.has_runtime and self.exe.runtime.has_trainer:
+            self.exe.runtime.trainer.forget_prefetched()  # table rows asked for ahead may be stale too
 
     def _get(self, names: list[str]) -> dict[str, Any]:
         missing = [n for n in names if n not in self.exe.scope]
@@ -219,6 +221,12 @@ class ExecutorServer:
             "rss_bytes": resident_bytes(),
             "most_runs_held": self._most_unanswered,
             "compiled_ops": self.exe.compiled_ops(),  # 0 when its executor interprets
+            # distributed-table prefetches served by rows asked for ahead, and sent as messages
+            **(
+                {"prefetches": dict(runtime.trainer.prefetches)}
+                if runtime is not None and runtime.has_trainer
+                else {}
+            ),
             **({"profile": runtime.profile.report()} if runtime is not None and runtime.profile else {}),
         }
 
@@ -259,7 +267,12 @@ class ExecutorServer:
             self.exe.run(self.programs[REFRESH])
             self._stale = False
         try:
-            values = self.exe.run(self.programs[msg.text], feed=msg.tensors, fetch_list=msg.names)
+            values = self.exe.run(
+                self.programs[msg.text],
+                feed=msg.tensors,
+                fetch_list=msg.names,
+                next_feed=lambda: self._next_feed(msg),
+            )
         except NoDataYet:
             # No batch for this trainer now: it takes part in the step without gradients
             # (nobody waits for it) and pulls the parameters as the others do.
@@ -285,6 +298,13 @@ class ExecutorServer:
             "values": dict(zip(msg.names, values, strict=True)),
             "samples": readers.samples_read() if readers is not None else None,
         }
+
+    def _next_feed(self, msg: Message) -> dict[str, Any] | None:
+        """The feed of the RUN queued after `msg`, if one is and runs the same program (the
+        step's trainer asks its pservers for that batch's table rows ahead)."""
+        with self._runs.mutex:  # a peek: the loop thread may be queueing
+            after = self._runs.queue[0] if self._runs.queue else None
+        return after.msg.tensors if after is not None and after.msg.text == msg.text else None
 
     def _answer_finished(self) -> None:
         while self._finished:

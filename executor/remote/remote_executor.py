@@ -108,7 +108,10 @@ class JobDesc:
     start_timeout: float = 120.0
     log_dir: str | None = None
     profile: bool = False  # every process records where its time goes: exe.profile()
-    prefetch_batches: int = 2  # steps run_batches keeps in flight
+    # Steps run_batches keeps in flight. 3: a trainer ending a step already holds the batch
+    # after next's RUN as well as the next one's, so it knows the next batch however late this
+    # process is in sending the following one (its table rows come with the step's values).
+    prefetch_batches: int = 3
     compile: bool | None = None  # the servers' executors compile their blocks
     name: str = "fluidps"  # on a cluster, its objects are named after it (to_kubernetes)
     resources: Resources = field(default_factory=Resources)  # each pod's cpu / memory (to_kubernetes)
@@ -553,7 +556,9 @@ class RemoteExecutor:
 
     def trainer_stats(self) -> list[dict[str, Any]]:
         """Each trainer's state, by trainer id: the programs it holds, its background
-        run, and its process's resident memory (rss_bytes)."""
+        run, its process's resident memory (rss_bytes) and, once it trained, how many of
+        its distributed-table prefetches were served by rows asked for ahead
+        (prefetches: served_ahead) and how many went as messages (sent)."""
         d = self._deployment
         if d is None:
             return []

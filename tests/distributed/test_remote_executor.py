@@ -166,6 +166,30 @@ def test_prefetched_batches_train_as_one_step_at_a_time():
     assert len(sends) == 6  # one per parameter, in backward order
 
 
+def test_run_batches_of_a_distributed_table_job_asks_for_each_next_batchs_rows_with_the_step():
+    """A trainer holding the next RUN asks its pservers for that batch's table rows behind
+    the step's barrier, and the next step's prefetch sends nothing: the job still trains
+    as local training on the whole batches."""
+    main, startup, loss = _sparse_model(distributed=True)
+    batches = _sparse_batches(8)
+    local = fluidps.Executor()
+    local.run(startup)
+    expected = [float(local.run(main, feed=b, fetch_list=[loss])[0]) for b in batches]
+    config = fluidps.DistributeTranspilerConfig(min_block_size=64)
+    with fluidps.RemoteExecutor(
+        fluidps.JobDesc(pservers=2, trainers=2, config=config, prefetch_batches=3)
+    ) as exe:
+        exe.run(startup)
+        got = [float(fetched[0]) for fetched in exe.run_batches(main, iter(batches), [loss])]
+        table = np.array(exe.scope["embedding_0.w_0"], copy=True)
+        prefetches = [t["prefetches"] for t in exe.trainer_stats()]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    np.testing.assert_allclose(table, local.scope["embedding_0.w_0"], rtol=2e-5, atol=1e-6)
+    # The client sends up to 3 RUNs at once: a trainer holds the next one when its step
+    # ends (the first step deploys the job and runs alone; the last has no next).
+    assert all(p["served_ahead"] >= 1 for p in prefetches), prefetches
+
+
 def test_leaving_run_batches_early_finishes_the_steps_sent():
     main, startup, loss, _, _ = _mlp()
     batches = _mlp_batches(6)

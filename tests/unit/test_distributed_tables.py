@@ -116,6 +116,85 @@ def test_sync_job_with_a_distributed_table_trains_exactly_like_local(rule, pserv
         np.testing.assert_array_equal(job.table(), local.scope[TABLE])
         assert not np.array_equal(job.table(), initial)  # it trained
         assert TABLE not in job.exe.scope
+        assert job.exe.runtime.trainer.prefetches["served_ahead"] == 0  # run() is not told the next batch
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("pservers", [1, 2])
+@pytest.mark.parametrize("rule", sorted(OPTIMIZERS))
+def test_run_batches_asks_for_the_next_batchs_rows_with_the_step_and_trains_exactly_like_local(
+    rule, pservers
+):
+    """exe.run_batches tells each step the next batch: its rows are asked for behind the
+    step's barrier and the next step's prefetch sends nothing; training is unchanged."""
+    main, startup, loss = ctr_model(OPTIMIZERS[rule])
+    job = Job(main, startup, pservers)
+    try:
+        local = job.local_twin(main, startup)
+        feeds = list(batches(8))
+        expected = [local.run(main, feed=feed, fetch_list=[loss])[0] for feed in feeds]
+        counts = job.exe.runtime.trainer.prefetches
+        got, sent_by_step = [], []
+        for (value,) in job.exe.run_batches(job.program, feeds, [loss]):
+            got.append(value)
+            sent_by_step.append(counts["sent"])
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(job.table(), local.scope[TABLE])
+        # Only the first step's prefetch went as messages (one per pserver owning rows of it).
+        assert 1 <= sent_by_step[0] <= pservers
+        assert sent_by_step == [sent_by_step[0]] * len(feeds)
+        assert counts["served_ahead"] >= len(feeds) - 1
+    finally:
+        job.close()
+
+
+def test_two_tables_on_one_pserver_take_their_rows_from_one_prefetch_asked_ahead():
+    """Two lookups (two tables) ask one pserver: one PREFETCH behind the barrier holds
+    both tables' rows, and each lookup takes its own from it."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 3
+    with fluidps.program_guard(main, startup):
+        ids = layers.data("ids", [FIELDS], dtype="int64")
+        label = layers.data("label", [1], dtype="int64")
+        embs = [
+            layers.embedding_v2(ids, [ROWS, WIDTH], is_sparse=True, is_distributed=True) for _ in range(2)
+        ]
+        logits = layers.fc(layers.reshape(layers.concat(embs, axis=2), [-1, 2 * FIELDS * WIDTH]), 2)
+        loss = layers.mean(layers.softmax_with_cross_entropy(logits, label))
+        optimizer.Adagrad(0.1).minimize(loss)
+    job = Job(main, startup, 1)
+    try:
+        local = job.local_twin(main, startup)
+        feeds = list(batches(6, seed=5))
+        got = [value for (value,) in job.exe.run_batches(job.program, feeds, [loss])]
+        np.testing.assert_array_equal(got, [local.run(main, feed=f, fetch_list=[loss])[0] for f in feeds])
+        for table in job.plan.distributed_tables():
+            np.testing.assert_array_equal(job.table(table), local.scope[table])
+        assert job.exe.runtime.trainer.prefetches == {"served_ahead": 2 * (len(feeds) - 1), "sent": 2}
+    finally:
+        job.close()
+
+
+def test_rows_asked_for_a_next_batch_that_does_not_come_are_not_used():
+    """A step told one next batch and followed by another: the rows asked for ahead do
+    not match the prefetch, which asks again; bad ids in a next feed fail only the step
+    that runs them, naming the id."""
+    main, startup, loss = ctr_model(OPTIMIZERS["adagrad"])
+    job = Job(main, startup, 2)
+    try:
+        local = job.local_twin(main, startup)
+        first, told, second = batches(3, seed=4)
+        bad = {"ids": np.full((2, FIELDS), ROWS, np.int64), "label": np.zeros((2, 1), np.int64)}
+        counts = job.exe.runtime.trainer.prefetches
+        for feed, next_feed in [(first, told), (second, bad)]:
+            (remote,) = job.exe.run(job.program, feed=feed, fetch_list=[loss], next_feed=next_feed)
+            (expected,) = local.run(main, feed=feed, fetch_list=[loss])
+            np.testing.assert_array_equal(remote, expected)
+        assert counts["served_ahead"] == 0
+        with pytest.raises(fluidps.Error, match=f"id {ROWS} in Ids 'ids' is out of range"):
+            job.exe.run(job.program, feed=bad, fetch_list=[loss])
+        np.testing.assert_array_equal(job.table(), local.scope[TABLE])
     finally:
         job.close()
 
@@ -334,10 +413,12 @@ def test_async_and_ssp_jobs_prefetch_rows_and_update_only_the_rows_looked_up(mod
     try:
         before = job.table()
         feeds = list(batches(30, seed=3))
-        losses = [float(job.exe.run(job.program, feed=f, fetch_list=[loss])[0]) for f in feeds]
+        losses = [float(value) for (value,) in job.exe.run_batches(job.program, feeds, [loss])]
         for endpoint in job.endpoints:
             job.servers.drain(endpoint)
         after = job.table()
+        # No barrier for the next batch's rows to ride behind: each step asks for its own.
+        assert job.exe.runtime.trainer.prefetches["served_ahead"] == 0
     finally:
         job.close()
     assert np.mean(losses[-5:]) < np.mean(losses[:5])

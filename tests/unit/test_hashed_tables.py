@@ -93,14 +93,18 @@ class Job:
             out |= rows_by_id(shard)
         return out
 
-    def train_beside(self, local, main, loss, feeds, compare=True):
+    def train_beside(self, local, main, loss, feeds, compare=True, batched=False):
         """Train the job and `local` (on `main`) on the same feeds; with `compare`, every
-        loss equal."""
-        for feed in feeds:
-            (remote,) = self.exe.run(self.program, feed=feed, fetch_list=[loss])
+        loss equal. `batched`: the job by exe.run_batches (each step told the next batch)."""
+        feeds = list(feeds)
+        if batched:
+            remote = [value for (value,) in self.exe.run_batches(self.program, feeds, [loss])]
+        else:
+            remote = [self.exe.run(self.program, feed=feed, fetch_list=[loss])[0] for feed in feeds]
+        for feed, value in zip(feeds, remote, strict=True):
             (expected,) = local.run(main, feed=feed, fetch_list=[loss])
             if compare:
-                np.testing.assert_array_equal(remote, expected)
+                np.testing.assert_array_equal(value, expected)
 
     def local_twin(self, main, startup):
         """A local Executor starting from the job's dense values (the table starts empty)."""
@@ -274,15 +278,19 @@ def test_bad_ids_and_bad_settings_say_what_to_do():
 # -- distributed ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["run", "run_batches"])
 @pytest.mark.parametrize("pservers", [1, 2])
 @pytest.mark.parametrize("rule", ["sgd", "adagrad", "adam"])
-def test_sync_job_with_a_hashed_table_trains_exactly_like_local(rule, pservers):
+def test_sync_job_with_a_hashed_table_trains_exactly_like_local(rule, pservers, batched):
+    """Also with each step told the next batch, whose rows (admitted, evicted or not yet
+    created) are then read behind the step's barrier."""
     main, startup, loss = ctr_model(OPTIMIZERS[rule], min_count=2, ttl_steps=3, shrink_every=2)
     job = Job(main, startup, pservers)
     try:
         assert TABLE not in job.exe.scope
         local = job.local_twin(main, startup)
-        job.train_beside(local, main, loss, batches(10))
+        job.train_beside(local, main, loss, batches(10), batched=batched)
+        assert (job.exe.runtime.trainer.prefetches["served_ahead"] >= 9) == batched
         want = rows_by_id(local.scope[TABLE])
         assert_same_rows(job.rows(), want)
         assert len(want) > 10
