@@ -109,9 +109,12 @@ def train(
         steps = int(np.ceil(train_examples / batch_size))
         bar = tqdm(total=steps, desc="ctr_hashed", unit="step", disable=not progress)
         start = time.perf_counter()
-        for i in range(0, train_examples, batch_size):
-            feed = {k: v[i : i + batch_size] for k, v in train_data.items()}
-            (loss_value,) = exe.run(main, feed=feed, fetch_list=[loss])
+        feeds = (
+            {k: v[i : i + batch_size] for k, v in train_data.items()}
+            for i in range(0, train_examples, batch_size)
+        )
+        # run_batches: each trainer holds its next batch and asks for its rows with this step's values
+        for (loss_value,) in exe.run_batches(main, feeds, [loss]):
             bar.set_postfix(loss=f"{float(loss_value):.4f}")
             bar.update()
         seconds = time.perf_counter() - start
