@@ -137,12 +137,6 @@ class TrainerClient:
         for endpoint in [ep for ep, a in self._ahead.items() if a.step < self.step]:
             self._drop_ahead(endpoint)  # asked for a step that did not look them up
 
-    def forget_prefetched(self) -> None:
-        """Rows asked for ahead may be stale (a pserver's values were set from outside
-        the job's steps): the next prefetch asks again."""
-        for endpoint in list(self._ahead):
-            self._drop_ahead(endpoint)
-
     def end_step(self) -> None:
         """The step's program is done: what it still holds goes now (not waited for)."""
         self._flush()
@@ -467,7 +461,8 @@ class TrainerClient:
         if self._communicator is not None:
             problems += self._communicator.close()
             self._communicator = None
-        self.forget_prefetched()  # (their answers are waited for with the rest)
+        for endpoint in list(self._ahead):  # rows no step will look up: their answers are waited for too
+            self._drop_ahead(endpoint)
         try:
             self.settle()
         except TransportError as e:

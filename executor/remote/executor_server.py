@@ -197,8 +197,6 @@ class ExecutorServer:
         for name, value in msg.tensors.items():
             self.exe.scope[name] = value
         self._stale = self._stale or bool(msg.names)
-        if self._stale and self.exe.has_runtime and self.exe.runtime.has_trainer:
-            self.exe.runtime.trainer.forget_prefetched()  # table rows asked for ahead may be stale too
 
     def _get(self, names: list[str]) -> dict[str, Any]:
         missing = [n for n in names if n not in self.exe.scope]
