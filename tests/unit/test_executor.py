@@ -46,6 +46,28 @@ def test_run_startup_then_main_fetch_by_variable_and_name():
     np.testing.assert_allclose(by_name, feed["x"] @ w, rtol=1e-6)
 
 
+def test_run_batches_yields_what_run_gives_each_batch_taking_each_batch_one_step_early():
+    main, startup, _x, out = _linear()
+    exe = fluidps.Executor()
+    exe.run(startup)
+    feeds = [{"x": np.full((2, 3), k, np.float32)} for k in range(3)]
+    taken = []
+
+    def batches():
+        for feed in feeds:
+            taken.append(len(taken))
+            yield feed
+
+    steps = exe.run_batches(main, batches(), [out])
+    first = next(steps)
+    assert taken == [0, 1]  # the next batch is known while the first runs
+    got = [first, *steps]
+    assert len(got) == 3
+    for feed, (value,) in zip(feeds, got, strict=True):
+        np.testing.assert_array_equal(value, exe.run(main, feed=feed, fetch_list=[out])[0])
+    assert list(exe.run_batches(main, [], [out])) == []
+
+
 def test_explicit_scope_keeps_values_apart():
     main, startup, _, out = _linear()
     exe = fluidps.Executor()
