@@ -29,10 +29,10 @@ itself its rows of each batch, no client; `--runners` picks), next to fluidps.Ex
 and batches ("local" rows) and, when PyTorch is importable, bench.local's
 PyTorch models (torch rows: the digits one trains with SGD, not Adam).
 
-Ceiling (compiled digits_mlp with a 1x1 sync job): a row with "runner": "raw pyzmq
-(ceiling)" (bench.ceiling): the same forward and backward, gradients and parameters
-exchanged as raw pyzmq frames with a process that runs the optimizer ops, and nothing
-else; what a 1x1 sync job of these kernels could reach on this machine.
+Ceiling (compiled digits_mlp with 1x1 and 2x1 sync jobs): a row with "runner": "raw
+pyzmq (ceiling)" (bench.ceiling): the same forward and backward, gradients and
+parameters exchanged as raw pyzmq frames with a process that runs the optimizer ops,
+and nothing else; what a sync job of these kernels could reach on this machine.
 
 Memory (with --hashed-ids N): hashed_job_memory, a 1-trainer x 2-pserver job whose
 hashed table (width 16, Adam) is fed N distinct ids, 65,536 a step: each pserver's table
@@ -304,13 +304,20 @@ def bench_training(
                 row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
                 row.update(executor=executor, vs_local=round(rate / local, 3))
                 print(json.dumps(row), flush=True)
-            if (trainers, pservers, mode) == (1, 1, "sync") and w.name == "digits_mlp" and options.compiled:
-                # The same exchange over raw pyzmq, nothing else: what a 1x1 sync job could reach.
-                rate, loss = raw_sync_rate(w, repeats, warmup)
+            if (
+                pservers == 1
+                and trainers <= 2
+                and mode == "sync"
+                and w.name == "digits_mlp"
+                and options.compiled
+            ):
+                # The same exchange over raw pyzmq, nothing else: what a sync job could reach.
+                rate, loss = raw_sync_rate(w, repeats, warmup, trainers)
+                processes = trainers + 1
                 row = training_row(
                     w,
                     mode,
-                    1,
+                    trainers,
                     1,
                     rate,
                     runner="raw pyzmq (ceiling)",
@@ -318,9 +325,12 @@ def bench_training(
                     loss=round(loss, 4),
                 )
                 row.update(
-                    impl="bench.ceiling", executor=executor, vs_local=round(rate / local, 3), processes=2
+                    impl="bench.ceiling",
+                    executor=executor,
+                    vs_local=round(rate / local, 3),
+                    processes=processes,
                 )
-                row["processes_per_core"] = round(2 / CORES, 2)
+                row["processes_per_core"] = round(processes / CORES, 2)
                 print(json.dumps(row), flush=True)
 
 
