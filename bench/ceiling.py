@@ -1,6 +1,7 @@
 """What a sync step could cost on this machine: the job's own work, over raw pyzmq.
 
-    python -m bench.ceiling [--workload digits_mlp] [--batch 128] [--trainers 1] [--steps 300] [--repeats 3]
+    python -m bench.ceiling [--workload digits_mlp|ctr_distributed] [--batch 128] [--trainers 1]
+                            [--steps 300] [--repeats 3] [--vocab 1000000]
 
 Trainer processes (this one, and `trainers - 1` subprocesses) run the workload's
 forward and backward (the program without its optimizer ops) with a compiled
@@ -12,8 +13,13 @@ copy=False both ways, no fluidps transport, checks, barriers or bookkeeping, and
 overlap of the exchange with compute. Its samples/s over local training's, measured
 in the same run, is the ratio a sync job of these kernels and this many trainers can
 reach on this machine's loopback and cores; bench.distributed prints it next to its
-1x1 and 2x1 sync rows ("runner": "raw pyzmq (ceiling)"). Dense workloads only
-(digits_mlp).
+1x1 and 2x1 sync rows ("runner": "raw pyzmq (ceiling)").
+
+A sparse table (ctr_distributed) stays whole in the pserver; each trainer holds a copy
+only so that its lookup reads the rows it was sent. With a step's gradients (the
+table's as rows and values) a trainer sends the ids of its next batch, kept once each,
+and the pserver answers with their rows after the update, as a fluidps sync trainer
+asks for its next batch's rows ahead: one round trip a step.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench packag
 
 import fluidps
 from bench.local import timed
-from bench.workloads import Workload, make
+from bench.workloads import CTR_VOCAB, Workload, make
+from fluidps.ops.selected_rows import SelectedRows
 from fluidps.transpiler.analysis import analyze
 
 WARMUP = 30  # steps before the timed windows: past the step where blocks compile
@@ -52,39 +59,78 @@ def split(main: fluidps.Program) -> tuple[fluidps.Program, fluidps.Program, list
     return compute, optimize, [(u.param, u.grad) for u in roles.updates]
 
 
-def serve(workload: str, batch: int, trainers: int) -> None:
+def tables(program: fluidps.Program) -> dict[str, str]:
+    """{table: the fed ids it looks up} of the sparse (SelectedRows-gradient) lookups."""
+    lookups = [op for op in program.global_block().ops if op.type in ("lookup_table", "lookup_table_v2")]
+    found = {op.input("W")[0]: op.input("Ids")[0] for op in lookups if op.attr("is_sparse")}
+    if len(found) != len(lookups) or len(found) > 1:
+        raise SystemExit("bench.ceiling: one sparse table at most, looked up once (ctr_distributed)")
+    return found
+
+
+class _Frames:
+    """A message's frames, taken in order as arrays."""
+
+    def __init__(self, frames: list[zmq.Frame]):
+        self.frames, self.at = frames, 0
+
+    def take(self, dtype: type) -> np.ndarray:
+        self.at += 1
+        return np.frombuffer(self.frames[self.at - 1].buffer, dtype=dtype)
+
+
+def serve(workload: str, batch: int, trainers: int, vocab: int) -> None:
     """The pserver: bind, say where (a line on stdout), then for each step take every
-    trainer's gradients, apply their mean and answer each with the parameters."""
-    main, startup, _ = make(workload, batch, 1).build()
+    trainer's gradients and apply their mean; with a sparse table, take each trainer's
+    ids of its next batch too (sent while the update runs); answer each with the
+    parameters (and the rows of its ids)."""
+    main, startup, _ = make(workload, batch, 1, vocab).build()
     _, optimize, pairs = split(main)
+    sparse = tables(main)
     shapes = {grad: main.global_block().var(grad).shape for _, grad in pairs}
     exe, scope = fluidps.Executor(), fluidps.Scope()
     exe.run(startup, scope=scope)
     socket = zmq.Context().socket(zmq.ROUTER)
     port = socket.bind_to_random_port("tcp://127.0.0.1")
     print(f"tcp://127.0.0.1:{port}", flush=True)
-    done = 0
-    while done < trainers:
-        arrived: dict[bytes, list[zmq.Frame]] = {}
-        while len(arrived) + done < trainers:
-            if not socket.poll(PEER_TIMEOUT_MS):
-                raise RuntimeError("a trainer of the raw pyzmq ceiling went silent")
-            client, *frames = socket.recv_multipart(copy=False)
-            if len(frames) == 1 and frames[0].bytes == DONE:
-                done += 1
-            else:
-                arrived[client.bytes] = frames
-        if not arrived:
+    live = trainers
+    while live:
+        grads = _gather(socket, live)
+        live = len(grads)
+        if not live:
             return
         feed = {}
-        for k, (_, grad) in enumerate(pairs):
-            values = [np.frombuffer(frames[k].buffer, dtype=np.float32) for frames in arrived.values()]
+        for param, grad in pairs:
+            if param in sparse:  # every trainer's rows, each value divided by the trainers
+                rows = np.concatenate([m.take(np.int64) for m in grads.values()])
+                values = np.concatenate([m.take(np.float32) for m in grads.values()])
+                values = values.reshape(len(rows), -1) / np.float32(len(grads))
+                feed[grad] = SelectedRows(rows, values, shapes[grad][0])
+                continue
+            values = [m.take(np.float32) for m in grads.values()]
             total = values[0] if len(values) == 1 else np.mean(values, axis=0, dtype=np.float32)
             feed[grad] = total.reshape(shapes[grad])
         exe.run(optimize, feed=feed, scope=scope)
-        params = [np.asarray(scope[p]) for p, _ in pairs]
-        for client in arrived:
-            socket.send_multipart([client, *params], copy=False)
+        dense = [np.asarray(scope[p]) for p, _ in pairs if p not in sparse]
+        ids = _gather(socket, live) if sparse else dict.fromkeys(grads)
+        for client, m in ids.items():
+            rows = [np.take(np.asarray(scope[table]), m.take(np.int64), axis=0) for table in sparse]
+            socket.send_multipart([client, *dense, *rows], copy=False)
+
+
+def _gather(socket: zmq.Socket, trainers: int) -> dict[bytes, _Frames]:
+    """One message from each of `trainers` trainers, by sender (those that said DONE left)."""
+    arrived: dict[bytes, _Frames] = {}
+    left = 0
+    while len(arrived) + left < trainers:
+        if not socket.poll(PEER_TIMEOUT_MS):
+            raise RuntimeError("a trainer of the raw pyzmq ceiling went silent")
+        client, *frames = socket.recv_multipart(copy=False)
+        if len(frames) == 1 and frames[0].bytes == DONE:
+            left += 1
+        else:
+            arrived[client.bytes] = _Frames(frames)
+    return arrived
 
 
 class _Trainer:
@@ -94,6 +140,7 @@ class _Trainer:
     def __init__(self, w: Workload, rank: int, trainers: int, address: str):
         main, startup, self.loss = w.build()
         self.compute, _, self.pairs = split(main)
+        self.sparse = tables(main)
         self.shapes = {p: main.global_block().var(p).shape for p, _ in self.pairs}
         self.batches = [
             {name: np.ascontiguousarray(np.array_split(value, trainers)[rank]) for name, value in b.items()}
@@ -113,16 +160,30 @@ class _Trainer:
             feed=self.batches[i % len(self.batches)],
             scope=self.scope,
             fetch_list=[self.loss, *(g for _, g in self.pairs)],
+            return_numpy=False,
         )
         self.last_loss = float(np.asarray(loss_value).reshape(-1)[0])
-        self.socket.send_multipart([np.ascontiguousarray(g) for g in grads], copy=False)
+        frames = []
+        for (param, _), g in zip(self.pairs, grads, strict=True):
+            frames += (
+                [g.rows, np.ascontiguousarray(g.value)] if param in self.sparse else [np.ascontiguousarray(g)]
+            )
+        self.socket.send_multipart(frames, copy=False)
+        upcoming = self.batches[(i + 1) % len(self.batches)]
+        wanted = {table: np.unique(upcoming[ids]) for table, ids in self.sparse.items()}
+        if wanted:  # worked out while the pserver updates, as a fluidps trainer does
+            self.socket.send_multipart(list(wanted.values()), copy=False)
         waited = 0
         while not self.socket.poll(1000):
             waited += 1000
             if pserver_exit() is not None or waited >= PEER_TIMEOUT_MS:
                 raise RuntimeError(f"the raw pyzmq pserver did not answer (exit status {pserver_exit()})")
-        for (param, _), frame in zip(self.pairs, self.socket.recv_multipart(copy=False), strict=True):
-            self.scope[param] = np.frombuffer(frame.buffer, dtype=np.float32).reshape(self.shapes[param])
+        reply = _Frames(self.socket.recv_multipart(copy=False))
+        for param, _ in self.pairs:
+            if param not in self.sparse:
+                self.scope[param] = reply.take(np.float32).reshape(self.shapes[param])
+        for table, ids in wanted.items():  # the next step's lookup reads these rows
+            np.asarray(self.scope[table])[ids] = reply.take(np.float32).reshape(len(ids), -1)
 
     def close(self) -> None:
         self.socket.send(DONE)
@@ -144,7 +205,7 @@ def raw_sync_rate(w: Workload, repeats: int, warmup: int, trainers: int = 1) -> 
     raw pyzmq with `trainers` trainers (this process is trainer 0 and times the steps;
     every trainer runs as many, in lockstep through the pserver)."""
     batch = len(next(iter(w.batches[0].values())))
-    common = ["--workload", w.name, "--batch", str(batch), "--trainers", str(trainers)]
+    common = [*w.launch_args, "--trainers", str(trainers)]  # (the subprocesses build w from them)
     processes = [pserver := _spawn("--serve", *common)]
     try:
         address = pserver.stdout.readline().strip()
@@ -177,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trainers", type=int, default=1)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vocab", type=int, default=CTR_VOCAB, help="the CTR table's rows")
     # The subprocesses' roles:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--train", metavar="ADDRESS", help=argparse.SUPPRESS)
@@ -184,16 +246,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--total-steps", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.workload, args.batch, args.trainers)
+        serve(args.workload, args.batch, args.trainers, args.vocab)
         return
     if args.train:
-        w = make(args.workload, args.batch, 1)
+        w = make(args.workload, args.batch, 1, args.vocab)
         trainer = _Trainer(w, args.rank, args.trainers, args.train)
         for i in range(args.total_steps):
             trainer.step(i)  # (a silent pserver fails it after PEER_TIMEOUT_MS)
         trainer.close()
         return
-    w = make(args.workload, args.batch, args.steps)
+    w = make(args.workload, args.batch, args.steps, args.vocab)
     from bench.distributed import run_local  # (bench.distributed imports this module)
 
     local, _ = run_local(w, args.repeats, WARMUP, compiled=True)

@@ -29,10 +29,11 @@ itself its rows of each batch, no client; `--runners` picks), next to fluidps.Ex
 and batches ("local" rows) and, when PyTorch is importable, bench.local's
 PyTorch models (torch rows: the digits one trains with SGD, not Adam).
 
-Ceiling (compiled digits_mlp with 1x1 and 2x1 sync jobs): a row with "runner": "raw
-pyzmq (ceiling)" (bench.ceiling): the same forward and backward, gradients and
-parameters exchanged as raw pyzmq frames with a process that runs the optimizer ops,
-and nothing else; what a sync job of these kernels could reach on this machine.
+Ceiling (compiled digits_mlp with 1x1 and 2x1 sync jobs, ctr_distributed with 1x1): a
+row with "runner": "raw pyzmq (ceiling)" (bench.ceiling): the same forward and backward,
+gradients and parameters (and a distributed table's rows of the next batch) exchanged as
+raw pyzmq frames with a process that runs the optimizer ops, and nothing else; what a
+sync job of these kernels could reach on this machine.
 
 Memory (with --hashed-ids N): hashed_job_memory, a 1-trainer x 2-pserver job whose
 hashed table (width 16, Adam) is fed N distinct ids, 65,536 a step: each pserver's table
@@ -106,6 +107,10 @@ MODES = ("sync", "async", "async+communicator")
 def job_config(mode: str) -> fluidps.DistributeTranspilerConfig:
     mode, _, communicator = mode.partition("+")
     return fluidps.DistributeTranspilerConfig(mode=mode, communicator=communicator == "communicator")
+
+
+# The jobs bench.ceiling runs over raw pyzmq, per workload: (trainers, pservers).
+CEILINGS = {"digits_mlp": ((1, 1), (2, 1)), "ctr_distributed": ((1, 1),)}
 
 
 def training_row(w: Workload, mode: str, trainers: int, pservers: int, rate: float, **extra) -> dict:
@@ -304,13 +309,7 @@ def bench_training(
                 row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
                 row.update(executor=executor, vs_local=round(rate / local, 3))
                 print(json.dumps(row), flush=True)
-            if (
-                pservers == 1
-                and trainers <= 2
-                and mode == "sync"
-                and w.name == "digits_mlp"
-                and options.compiled
-            ):
+            if mode == "sync" and options.compiled and (trainers, pservers) in CEILINGS.get(w.name, ()):
                 # The same exchange over raw pyzmq, nothing else: what a sync job could reach.
                 rate, loss = raw_sync_rate(w, repeats, warmup, trainers)
                 processes = trainers + 1

@@ -235,3 +235,21 @@ def test_the_ceiling_runs_two_trainers_in_lockstep_through_one_pserver():
         "raw pyzmq (ceiling)",
     )
     assert job["samples_per_s"] > 0 and 0 < job["loss"] < 2.4  # it trained: below ln(10) at the start
+
+
+def test_the_ceiling_of_a_distributed_table_sends_the_next_batchs_rows_with_the_parameters():
+    _, job = bench(
+        "ceiling",
+        "--workload",
+        "ctr_distributed",
+        "--batch",
+        "64",
+        "--vocab",
+        "5000",
+        "--steps",
+        "5",
+        "--repeats",
+        "1",
+    )
+    assert (job["mode"], job["trainers"], job["runner"]) == ("sync", 1, "raw pyzmq (ceiling)")
+    assert job["samples_per_s"] > 0 and 0 < job["loss"] < 0.7  # it trained: below ln(2) at the start
