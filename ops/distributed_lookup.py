@@ -188,8 +188,7 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
     trainer = op.runtime.trainer
     planned: list[_Plan] = []  # the next step's plan, made when its rows were asked for ahead
 
-    def plan(checked: list[tuple[np.ndarray, tuple[int, ...]]]) -> _Plan:
-        flat = np.concatenate([ids for ids, _ in checked]) if len(checked) > 1 else checked[0][0]
+    def plan(flat: np.ndarray) -> _Plan:
         wanted = flat[flat != spec.pad] if spec.has_pad else flat
         unique, inverse = np.unique(wanted, return_inverse=True)
         groups = spec.route(unique)
@@ -205,14 +204,14 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
             checked = [spec.ids(feed, name) for name in ids_names]
         except ExecutionError:
             return None
-        planned[:] = [plan(checked)]
+        planned[:] = [plan(_flat(checked))]
         return planned[0].items
 
     def run(env: Env) -> None:
         checked = [spec.ids(env, name) for name in ids_names]
         ahead = planned.pop() if planned else None
-        flat = np.concatenate([ids for ids, _ in checked]) if len(checked) > 1 else checked[0][0]
-        p = ahead if ahead is not None and np.array_equal(ahead.flat, flat) else plan(checked)
+        flat = _flat(checked)
+        p = ahead if ahead is not None and np.array_equal(ahead.flat, flat) else plan(flat)
         rows = np.empty((len(p.unique), width), dtype=dtype)
         replies = trainer.prefetch(p.items, spec.trainer_id) if p.items else []
         for (_, where, _), (endpoint, name, asked), got in zip(p.groups, p.items, replies, strict=True):
@@ -235,6 +234,11 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
         trainer.prefetch_next(plan_next)  # sync mode: the next batch's rows come with this step's values
 
     return run
+
+
+def _flat(checked: list[tuple[np.ndarray, tuple[int, ...]]]) -> np.ndarray:
+    """The ids of every Ids input, flat, in order."""
+    return np.concatenate([ids for ids, _ in checked]) if len(checked) > 1 else checked[0][0]
 
 
 @dataclass
