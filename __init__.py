@@ -45,14 +45,15 @@ from fluidps.transpiler import DistributedPlan, DistributeTranspiler, Distribute
 
 if TYPE_CHECKING:
     from fluidps.executor.launch.kubernetes import KubernetesCluster, Resources
-    from fluidps.executor.remote.remote_executor import JobDesc, RemoteExecutor
+    from fluidps.executor.remote.job import JobDesc
+    from fluidps.executor.remote.remote_executor import RemoteExecutor
 
 __version__ = "0.1.0"
 
 # RemoteExecutor and JobDesc load the ZeroMQ transport: they are imported when first
 # named (PEP 562), so that `import fluidps` and local training never load it.
 _LAZY = {
-    "JobDesc": "fluidps.executor.remote.remote_executor",
+    "JobDesc": "fluidps.executor.remote.job",
     "RemoteExecutor": "fluidps.executor.remote.remote_executor",
     "KubernetesCluster": "fluidps.executor.launch.kubernetes",  # (with JobDesc.to_kubernetes)
     "Resources": "fluidps.executor.launch.kubernetes",

@@ -101,7 +101,7 @@ def render(
     """Write a job's Kubernetes manifests: every pserver and trainer pod runs COMMAND
     (e.g. python /app/train.py) with Paddle's environment contract, as under
     `fluidps launch`. `kubectl apply -f` (or `fluidps k8s submit`) takes the output."""
-    from fluidps.executor.remote.remote_executor import JobDesc
+    from fluidps.executor.remote.job import JobDesc
 
     for option, count in (("--pservers", pservers), ("--trainers", trainers)):
         if count < 1:

@@ -30,7 +30,7 @@ from fluidps.executor.transport.wire import Kind, Message
 
 if TYPE_CHECKING:
     from fluidps.executor.launch.kubernetes_client import KubernetesClient
-    from fluidps.executor.remote.remote_executor import JobDesc
+    from fluidps.executor.remote.job import JobDesc
 
 
 @dataclass
