@@ -7,8 +7,11 @@ takes the batch's ids, keeps each id once, asks every pserver owning some of the
 for their rows (one message per pserver, through the runtime's trainer channel)
 and scatters the rows back to the batch's order. Its gradient op,
 distributed_lookup_table_grad, gives the table's gradient as a SelectedRows of the
-looked-up rows, exactly as lookup_table_grad with is_sparse does, without the
-table: trainers never hold it. Ids equal to padding_idx read zeros and get no
+looked-up rows, as lookup_table_grad with is_sparse does, without the table: trainers
+never hold it. With sum_repeated_rows (the transpiler sets it where the table's
+optimizer sums a gradient's repeated rows before applying them), each row comes once,
+its values summed in batch order: the very sums the pserver would make, made on the
+trainer, so that a third of the bytes travel and the pserver has nothing to merge. Ids equal to padding_idx read zeros and get no
 gradient, as in lookup_table. In sync mode, when the next step's feed is known, each
 run also has the next batch's rows asked for behind this step's barrier
 (TrainerChannel.prefetch_next), so that the next run's prefetch costs no round trip.
@@ -30,13 +33,13 @@ import numpy as np
 from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext
 from fluidps.ir.types import EMPTY_VAR_NAME, VarType, to_numpy_dtype
-from fluidps.ops.defs import In, Int, Long, Longs, Only, Out, Str, Strs
+from fluidps.ops.defs import Bool, In, Int, Long, Longs, Only, Out, Str, Strs
 from fluidps.ops.grad import GradSpec
 from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
 from fluidps.ops.lookup_table import first_bad_id, sparse_grad
 from fluidps.ops.registry import OpFamily
 from fluidps.ops.runtime_api import Prefetch
-from fluidps.ops.selected_rows import HASHED_HEIGHT, SelectedRows
+from fluidps.ops.selected_rows import HASHED_HEIGHT, SelectedRows, sum_rows, unique_ids
 from fluidps.ops.sparse_table import owners
 
 family = OpFamily("distributed_lookup")
@@ -52,6 +55,9 @@ _ATTRS = (
     Int("trainer_id", 0),
     # row_blocks: block k holds rows [sum(height_sections[:k]), ...); id_hash: a hashed table.
     Only(Str("sharding", "row_blocks"), "row_blocks", "id_hash"),
+    # The grad op's rows each once, their values summed: set where the table's optimizer
+    # sums a gradient's repeated rows anyway (not sgd, which applies each in turn).
+    Bool("sum_repeated_rows", False),
 )
 
 
@@ -133,18 +139,20 @@ class _Blocks:
 
     def route(self, unique: np.ndarray) -> list[tuple[int, np.ndarray | slice, np.ndarray]]:
         """(block, positions in `unique`, what to ask the block for) of each block owning some
-        of the sorted `unique` ids: row indices into the block, or the ids of a hashed table."""
+        of the `unique` ids (in any order): row indices into the block, or the ids of a
+        hashed table."""
+        if len(self.names) == 1:
+            return [(0, slice(None), unique)] if unique.size else []
         if self.hashed:
-            shard = owners(unique, len(self.names))
-            return [
-                (k, at, unique[at]) for k in range(len(self.names)) if (at := np.flatnonzero(shard == k)).size
-            ]
-        cuts = np.searchsorted(unique, self.offsets)  # unique[cuts[k]:cuts[k+1]] live in block k
-        return [
-            (k, slice(cuts[k], cuts[k + 1]), unique[cuts[k] : cuts[k + 1]] - self.offsets[k])
-            for k in range(len(self.names))
-            if cuts[k + 1] > cuts[k]
-        ]
+            block = owners(unique, len(self.names))
+        else:  # block k holds rows [offsets[k], offsets[k + 1])
+            block = np.searchsorted(self.offsets[1:], unique, side="right")
+        groups = []
+        for k in range(len(self.names)):
+            at = np.flatnonzero(block == k)
+            if at.size:
+                groups.append((k, at, unique[at] if self.hashed else unique[at] - self.offsets[k]))
+        return groups
 
     def ids(self, env: Env, name: str) -> tuple[np.ndarray, tuple[int, ...]]:
         """The ids of `name`, flat and checked, and the shape an output keeps."""
@@ -190,7 +198,7 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
 
     def plan(flat: np.ndarray) -> _Plan:
         wanted = flat[flat != spec.pad] if spec.has_pad else flat
-        unique, inverse = np.unique(wanted, return_inverse=True)
+        unique, inverse = unique_ids(wanted)
         groups = spec.route(unique)
         items = [(spec.endpoints[k], spec.names[k], asked) for k, _, asked in groups]
         return _Plan(flat, unique, inverse, groups, items)
@@ -224,9 +232,9 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
             rows[where] = got
         if spec.has_pad:
             gathered = np.zeros((len(flat), width), dtype=dtype)
-            gathered[flat != spec.pad] = rows[p.inverse.reshape(-1)]
+            gathered[flat != spec.pad] = rows[p.inverse]
         else:
-            gathered = rows[p.inverse.reshape(-1)]
+            gathered = rows[p.inverse]
         start = 0
         for out_name, (ids, shape) in zip(out_names, checked, strict=True):
             env[out_name] = gathered[start : start + len(ids)].reshape((*shape, width))
@@ -243,8 +251,8 @@ def _flat(checked: list[tuple[np.ndarray, tuple[int, ...]]]) -> np.ndarray:
 
 @dataclass
 class _Plan:
-    """A batch's ids, kept once each (sorted) with where each id went, and what to ask
-    which pserver for."""
+    """A batch's ids, kept once each (in the order first seen) with where each id went,
+    and what to ask which pserver for."""
 
     flat: np.ndarray
     unique: np.ndarray
@@ -257,6 +265,7 @@ class _Plan:
 def _distributed_lookup_grad_kernel(op: KernelOp) -> Runner:
     spec = _Blocks(op)
     ids_names, dout_names, dw_name = op.inputs("Ids"), op.inputs("Outputs@GRAD"), op.output("W@GRAD")
+    summed = op.attr("sum_repeated_rows")
 
     def run(env: Env) -> None:
         if dw_name is None:
@@ -266,6 +275,9 @@ def _distributed_lookup_grad_kernel(op: KernelOp) -> Runner:
         flat = np.concatenate(ids) if len(ids) > 1 else ids[0]
         dout = np.concatenate(douts) if len(douts) > 1 else douts[0]
         rows, value = sparse_grad(flat, contiguous(dout), spec.has_pad, spec.pad)
+        if summed:  # a third of the bytes on a CTR batch, and no merge left for the pserver to do
+            rows, inverse = unique_ids(rows)
+            value = sum_rows(inverse, len(rows), value)
         env[dw_name] = SelectedRows(rows, value, spec.height)
 
     return run

@@ -148,6 +148,11 @@ family.define(
 
 _DENSE_ROWS = np.zeros(1, dtype=np.int64)
 
+# The rules whose sparse kernels sum a gradient's repeated rows before applying them
+# (sgd applies each in turn). For these, rows summed earlier (a distributed table's
+# trainer does) update the parameter bit for bit as the repeated rows would.
+SUMS_REPEATED_ROWS = frozenset({"momentum", "adagrad", "ftrl", "adam"})
+
 # The update loops divide floats. Under numba's default error model every division
 # checks for zero (to raise Python's ZeroDivisionError), and that branch keeps LLVM from
 # vectorizing the loop; numpy's model divides as IEEE 754 does, as numpy's kernels do, with

@@ -23,6 +23,7 @@ from collections.abc import Collection
 
 from fluidps.ir.program import Block, Program
 from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_VAR_ATTR, OpRole, VarType
+from fluidps.ops.optimizers import SUMS_REPEATED_ROWS
 from fluidps.ops.roles import append_role_op
 from fluidps.transpiler.analysis import ProgramRoles, role
 from fluidps.transpiler.config import DistributeTranspilerConfig
@@ -43,8 +44,9 @@ def build_trainer_program(
     block = trainer.global_block()
     moved = roles.pserver_ops
     block.ops = [op for i, op in enumerate(block.ops) if i not in moved]
+    optimizers = {u.param: program.global_block().ops[u.ops[-1]].type for u in roles.updates}
     for table in tables:
-        _prefetch(block, table, [s for s in slices if s.param == table], trainer_id)
+        _prefetch(block, table, [s for s in slices if s.param == table], trainer_id, optimizers[table])
         block.remove_var(table)
     _drop_unused_vars(block)
     # Each gradient is cut and sent right after the last op that writes it: in backward
@@ -162,10 +164,13 @@ def receive_parameters(
             )
 
 
-def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int) -> None:
+def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int, optimizer: str) -> None:
     """Replace the lookups of `table` and their gradient ops by ops that need no table."""
     hashed = blocks[0].hashed
     attrs = {
+        # A hashed table's rules sum repeated rows first (fluidps.ops.sparse_table), as
+        # these optimizer ops do.
+        "sum_repeated_rows": hashed or optimizer in SUMS_REPEATED_ROWS,
         "table_name": table,
         "table_names": [s.name for s in blocks],
         "endpoints": [s.endpoint for s in blocks],
