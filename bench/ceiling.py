@@ -17,9 +17,10 @@ reach on this machine's loopback and cores; bench.distributed prints it next to 
 
 A sparse table (ctr_distributed) stays whole in the pserver; each trainer holds a copy
 only so that its lookup reads the rows it was sent. With a step's gradients (the
-table's as rows and values) a trainer sends the ids of its next batch, kept once each,
-and the pserver answers with their rows after the update, as a fluidps sync trainer
-asks for its next batch's rows ahead: one round trip a step.
+table's as rows and values, each row once, summed, as a fluidps trainer sends them
+to an optimizer that sums them) a trainer sends the ids of its next batch, kept once
+each, and the pserver answers with their rows after the update, as a fluidps sync
+trainer asks for its next batch's rows ahead: one round trip a step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench packag
 import fluidps
 from bench.local import timed
 from bench.workloads import CTR_VOCAB, Workload, make
-from fluidps.ops.selected_rows import SelectedRows
+from fluidps.ops.selected_rows import SelectedRows, sum_rows, unique_ids
 from fluidps.transpiler.analysis import analyze
 
 WARMUP = 30  # steps before the timed windows: past the step where blocks compile
@@ -165,12 +166,14 @@ class _Trainer:
         self.last_loss = float(np.asarray(loss_value).reshape(-1)[0])
         frames = []
         for (param, _), g in zip(self.pairs, grads, strict=True):
-            frames += (
-                [g.rows, np.ascontiguousarray(g.value)] if param in self.sparse else [np.ascontiguousarray(g)]
-            )
+            if param in self.sparse:  # each row once, summed, as a fluidps trainer sends it
+                rows, inverse = unique_ids(g.rows)
+                frames += [rows, sum_rows(inverse, len(rows), np.ascontiguousarray(g.value))]
+            else:
+                frames.append(np.ascontiguousarray(g))
         self.socket.send_multipart(frames, copy=False)
         upcoming = self.batches[(i + 1) % len(self.batches)]
-        wanted = {table: np.unique(upcoming[ids]) for table, ids in self.sparse.items()}
+        wanted = {table: unique_ids(upcoming[ids].reshape(-1))[0] for table, ids in self.sparse.items()}
         if wanted:  # worked out while the pserver updates, as a fluidps trainer does
             self.socket.send_multipart(list(wanted.values()), copy=False)
         waited = 0
