@@ -119,6 +119,17 @@ def test_sync_job_with_a_distributed_table_trains_exactly_like_local(rule, pserv
         assert job.exe.runtime.trainer.prefetches["served_ahead"] == 0  # run() is not told the next batch
     finally:
         job.close()
+    # Adagrad and Adam sum a gradient's repeated rows before applying them, so the trainer
+    # sends each row once, summed (and still trains bit for bit like local, above); SGD
+    # applies each repeat in turn, so its repeats travel.
+    received = sum(
+        count for stats in job.servers.final_stats.values() for count in stats["received_row_counts"].values()
+    )
+    looked_up = [feed["ids"].reshape(-1) for feed in batches(8)]
+    summed = rule != "sgd"
+    assert received == sum(len(np.unique(ids)) if summed else len(ids) for ids in looked_up)
+    ops = {op.type: op for op in job.program.global_block().ops}
+    assert ops["distributed_lookup_table_grad"].attr("sum_repeated_rows") == summed
 
 
 @pytest.mark.parametrize("pservers", [1, 2])
