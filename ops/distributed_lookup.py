@@ -11,10 +11,11 @@ looked-up rows, as lookup_table_grad with is_sparse does, without the table: tra
 never hold it. With sum_repeated_rows (the transpiler sets it where the table's
 optimizer sums a gradient's repeated rows before applying them), each row comes once,
 its values summed in batch order: the very sums the pserver would make, made on the
-trainer, so that a third of the bytes travel and the pserver has nothing to merge. Ids equal to padding_idx read zeros and get no
-gradient, as in lookup_table. In sync mode, when the next step's feed is known, each
-run also has the next batch's rows asked for behind this step's barrier
-(TrainerChannel.prefetch_next), so that the next run's prefetch costs no round trip.
+trainer, so that a third of the bytes travel and the pserver has nothing to merge.
+Ids equal to padding_idx read zeros and get no gradient, as in lookup_table. In sync
+mode, when the next step's feed is known, each run also has the next batch's rows
+asked for behind this step's barrier (TrainerChannel.prefetch_next), so that the next
+run's prefetch costs no round trip.
 
 A hashed table (layers.sparse_embedding; `sharding` "id_hash") has no row blocks:
 shard k (`table_names[k]` on `endpoints[k]`) holds the ids i with mix64(i) mod K == k,
