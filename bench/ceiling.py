@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench packag
 import fluidps
 from bench.local import timed
 from bench.workloads import CTR_VOCAB, Workload, make
+from fluidps.executor.launch.launcher import core_of
 from fluidps.ops.selected_rows import SelectedRows, sum_rows, unique_ids
 from fluidps.transpiler.analysis import analyze
 
@@ -203,13 +205,23 @@ def _spawn(*args: str) -> subprocess.Popen:
     )
 
 
-def raw_sync_rate(w: Workload, repeats: int, warmup: int, trainers: int = 1) -> tuple[float, float]:
+def raw_sync_rate(
+    w: Workload, repeats: int, warmup: int, trainers: int = 1, bind_cores: bool = False
+) -> tuple[float, float]:
     """(samples/s, the last step's loss of trainer 0) of the workload's sync exchange over
     raw pyzmq with `trainers` trainers (this process is trainer 0 and times the steps;
-    every trainer runs as many, in lockstep through the pserver)."""
+    every trainer runs as many, in lockstep through the pserver). `bind_cores`: each
+    process on one core, as `fluidps launch --bind-cores` places a job's."""
     batch = len(next(iter(w.batches[0].values())))
     common = [*w.launch_args, "--trainers", str(trainers)]  # (the subprocesses build w from them)
+    cores = sorted(os.sched_getaffinity(0))
+
+    def bind(pid: int, name: str) -> None:
+        if bind_cores:
+            os.sched_setaffinity(pid, {core_of(name, 1, cores)})
+
     processes = [pserver := _spawn("--serve", *common)]
+    bind(pserver.pid, "pserver.0")
     try:
         address = pserver.stdout.readline().strip()
         if not address:
@@ -219,12 +231,15 @@ def raw_sync_rate(w: Workload, repeats: int, warmup: int, trainers: int = 1) -> 
             processes.append(
                 _spawn("--train", address, "--rank", str(rank), "--total-steps", str(total), *common)
             )
+            bind(processes[-1].pid, f"trainer.{rank}")
+        bind(0, "trainer.0")  # (before the context of this process's socket starts its threads)
         me = _Trainer(w, 0, trainers, address)
         rate = timed(lambda i: me.step(i, pserver.poll), w.steps, repeats, warmup)
         me.close()
         for process in processes:
             process.wait(timeout=60)
     finally:
+        os.sched_setaffinity(0, cores)
         for process in processes:
             if process.poll() is None:
                 process.kill()
@@ -242,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=CTR_VOCAB, help="the CTR table's rows")
+    parser.add_argument("--bind-cores", action="store_true", help="each process on one core")
     # The subprocesses' roles:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--train", metavar="ADDRESS", help=argparse.SUPPRESS)
@@ -262,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.distributed import run_local  # (bench.distributed imports this module)
 
     local, _ = run_local(w, args.repeats, WARMUP, compiled=True)
-    raw, loss = raw_sync_rate(w, args.repeats, WARMUP, args.trainers)
+    raw, loss = raw_sync_rate(w, args.repeats, WARMUP, args.trainers, args.bind_cores)
     print(json.dumps({"bench": w.name, "mode": "local", "samples_per_s": round(local, 1)}))
     print(
         json.dumps(

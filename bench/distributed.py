@@ -25,7 +25,8 @@ async and async+communicator mode (DistributeTranspilerConfig.communicator) (eve
 is split across the trainers; exe.run_batches keeps `--prefetch-batches` steps in
 flight, 2 by default, 1 for one exe.run at a time), and the same jobs the Fluid way
 (runner "fluidps launch": bench/launched.py in every process, each trainer feeding
-itself its rows of each batch, no client; `--runners` picks), next to fluidps.Executor on the same programs
+itself its rows of each batch, no client; `--runners` picks, and `--runners
+launch-bound` runs them with `fluidps launch --bind-cores`), next to fluidps.Executor on the same programs
 and batches ("local" rows) and, when PyTorch is importable, bench.local's
 PyTorch models (torch rows: the digits one trains with SGD, not Adam).
 
@@ -227,15 +228,22 @@ LAUNCHED = Path(__file__).resolve().parent / "launched.py"
 
 
 def run_launched(
-    w: Workload, trainers: int, pservers: int, mode: str, repeats: int, warmup: int, compiled: bool
+    w: Workload,
+    trainers: int,
+    pservers: int,
+    mode: str,
+    repeats: int,
+    warmup: int,
+    compiled: bool,
+    bind_cores: bool = False,
 ) -> tuple[float, dict]:
     """(samples/s, row fields) of the same training the Fluid way: bench/launched.py under
-    `fluidps launch`, each trainer feeding itself its rows of each global batch (no client
-    process). The rate adds up the trainers' (their steps/s, median of the windows, times
-    their rows a step)."""
+    `fluidps launch` (`--bind-cores` with `bind_cores`), each trainer feeding itself its
+    rows of each global batch (no client process). The rate adds up the trainers' (their
+    steps/s, median of the windows, times their rows a step)."""
     with tempfile.TemporaryDirectory() as out:
         command = [
-            *(sys.executable, "-m", "fluidps", "launch"),
+            *(sys.executable, "-m", "fluidps", "launch", *(["--bind-cores"] if bind_cores else [])),
             *("--pservers", str(pservers), "--trainers", str(trainers), "--mode", job_config(mode).mode),
             *(str(LAUNCHED), *w.launch_args, "--out", out),
             *(["--communicator"] if job_config(mode).communicator else []),
@@ -251,7 +259,7 @@ def run_launched(
         results = [json.loads((Path(out) / f"trainer.{i}.json").read_text()) for i in range(trainers)]
     rate = sum(statistics.median(r["steps_per_s"]) * r["batch"] for r in results)
     fields = {
-        "runner": "fluidps launch",
+        "runner": "fluidps launch --bind-cores" if bind_cores else "fluidps launch",
         "steps": w.steps * repeats,
         "warmup_steps": 1 + warmup,
         "loss": round(results[0]["loss"], 4),
@@ -299,9 +307,16 @@ def bench_training(
     for trainers, pservers in topologies:
         for mode in modes:
             for runner in options.runners:
-                if runner == "launch":
+                if runner in ("launch", "launch-bound"):
                     rate, fields = run_launched(
-                        w, trainers, pservers, mode, repeats, warmup, options.compiled
+                        w,
+                        trainers,
+                        pservers,
+                        mode,
+                        repeats,
+                        warmup,
+                        options.compiled,
+                        runner == "launch-bound",
                     )
                 else:
                     rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup, options)
@@ -310,27 +325,29 @@ def bench_training(
                 row.update(executor=executor, vs_local=round(rate / local, 3))
                 print(json.dumps(row), flush=True)
             if mode == "sync" and options.compiled and (trainers, pservers) in CEILINGS.get(w.name, ()):
-                # The same exchange over raw pyzmq, nothing else: what a sync job could reach.
-                rate, loss = raw_sync_rate(w, repeats, warmup, trainers)
-                processes = trainers + 1
-                row = training_row(
-                    w,
-                    mode,
-                    trainers,
-                    1,
-                    rate,
-                    runner="raw pyzmq (ceiling)",
-                    steps=w.steps * repeats,
-                    loss=round(loss, 4),
-                )
-                row.update(
-                    impl="bench.ceiling",
-                    executor=executor,
-                    vs_local=round(rate / local, 3),
-                    processes=processes,
-                )
-                row["processes_per_core"] = round(processes / CORES, 2)
-                print(json.dumps(row), flush=True)
+                # The same exchange over raw pyzmq, nothing else: what a sync job could reach
+                # (bound to cores as well, next to jobs launched so).
+                for bound in (False, True) if "launch-bound" in options.runners else (False,):
+                    rate, loss = raw_sync_rate(w, repeats, warmup, trainers, bound)
+                    processes = trainers + 1
+                    row = training_row(
+                        w,
+                        mode,
+                        trainers,
+                        1,
+                        rate,
+                        runner="raw pyzmq (ceiling)" + (", bound to cores" if bound else ""),
+                        steps=w.steps * repeats,
+                        loss=round(loss, 4),
+                    )
+                    row.update(
+                        impl="bench.ceiling",
+                        executor=executor,
+                        vs_local=round(rate / local, 3),
+                        processes=processes,
+                    )
+                    row["processes_per_core"] = round(processes / CORES, 2)
+                    print(json.dumps(row), flush=True)
 
 
 def mib(nbytes: int) -> float:
@@ -433,8 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--runners",
         default="RemoteExecutor,launch",
-        help="how jobs run: RemoteExecutor (this process is the client) and/or launch "
-        "(bench/launched.py under fluidps launch: each trainer feeds itself)",
+        help="how jobs run: RemoteExecutor (this process is the client), launch "
+        "(bench/launched.py under fluidps launch: each trainer feeds itself) and/or launch-bound "
+        "(the same with --bind-cores; a ceiling row bound to cores too)",
     )
     parser.add_argument(
         "--executors",
@@ -444,8 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     runners = tuple(args.runners.split(","))
-    if not set(runners) <= {"RemoteExecutor", "launch"}:
-        raise SystemExit(f"--runners: RemoteExecutor and/or launch, got {args.runners!r}")
+    if not set(runners) <= {"RemoteExecutor", "launch", "launch-bound"}:
+        raise SystemExit(f"--runners: RemoteExecutor, launch and/or launch-bound, got {args.runners!r}")
     executors = args.executors.split(",")
     if not executors or not set(executors) <= {"interpreted", "compiled"}:
         raise SystemExit(f"--executors: interpreted and/or compiled, got {args.executors!r}")

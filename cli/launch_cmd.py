@@ -71,6 +71,10 @@ class _OneLineErrors(click.Command):
               help="With --dataset: pservers checkpoint every S seconds (0: not by time).")  # fmt: skip
 @click.option("--progress/--no-progress", default=None,
               help="With --dataset: show a progress bar (default: when stderr is a terminal).")  # fmt: skip
+@click.option("--bind-cores", is_flag=True,
+              help="Bind each process to one core of those the launcher may use: the pservers', then the "
+              "trainers' in turn, round-robin past the last. No process migrates, and its ZeroMQ I/O threads "
+              "share its core and caches: a sync step's messages wait less on a host with a core per process.")  # fmt: skip
 @click.argument("script", metavar="SCRIPT.py")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 def launch(
@@ -90,6 +94,7 @@ def launch(
     checkpoint_every_steps: int,
     checkpoint_every_seconds: float,
     progress: bool | None,
+    bind_cores: bool,
     script: str,
     script_args: tuple[str, ...],
 ) -> None:
@@ -110,7 +115,7 @@ def launch(
     try:
         common = (script, script_args, pservers, trainers, mode, host, start_port, log_dir, grace)
         if dataset is None:
-            status = Launcher(*common).run()
+            status = Launcher(*common, bind_cores=bind_cores).run()
         else:
             job = DatasetJob(
                 dataset,
@@ -123,7 +128,7 @@ def launch(
                 checkpoint_every_seconds=checkpoint_every_seconds,
                 progress=progress,
             )
-            status = DatasetLauncher(job, *common).run()
+            status = DatasetLauncher(job, *common, bind_cores=bind_cores).run()
     except Error as e:
         fail(str(e))
     sys.exit(status)

@@ -146,6 +146,7 @@ class Launcher:
         stdout: IO[str] | None = None,
         stderr: IO[str] | None = None,
         python: str = sys.executable,
+        bind_cores: bool = False,
     ):
         if not Path(script).is_file():
             raise BuilderError(f"script {script} not found")
@@ -165,6 +166,12 @@ class Launcher:
         # Resolved at run time so a caller that swaps sys.stdout (pytest, click) is honoured.
         self._stdout, self._stderr = stdout, stderr
         self.python = python
+        # Each process bound to one core of the launcher's (see core_of), or left to the scheduler.
+        self.cores: list[int] | None = None
+        if bind_cores:
+            if not hasattr(os, "sched_setaffinity"):
+                raise BuilderError("binding processes to cores needs Linux (os.sched_setaffinity)")
+            self.cores = sorted(os.sched_getaffinity(0))
         self.children: list[Child] = []
         self.endpoints: list[str] = []
         self.announce_pids = False  # say each process's pid as it starts (restarts make it useful)
@@ -238,6 +245,13 @@ class Launcher:
             if log is not None:
                 log.close()
             raise BuilderError(f"cannot start {name}: {e}") from None
+        if self.cores is not None and (core := core_of(name, self.pservers, self.cores)) is not None:
+            # Before the process starts any thread (Popen returns once it runs Python's
+            # startup): its threads, ZeroMQ's I/O threads too, inherit the binding.
+            try:
+                os.sched_setaffinity(proc.pid, {core})
+            except OSError as e:
+                self._say(f"could not bind {name} to core {core}: {e}; it runs unbound")
         child = Child(name, proc, command, env, log, restarts=restarts)
         if self.announce_pids:
             self._say(f"started {name} (pid {proc.pid})")
@@ -336,10 +350,18 @@ class Launcher:
         return {}
 
     def _describe(self) -> str:
-        return (
+        text = (
             f"{self.pservers} pserver(s) at {','.join(self.endpoints)}, "
             f"{self.trainers} trainer(s), mode {self.mode}"
         )
+        if self.cores is not None:
+            names = [f"pserver.{k}" for k in range(self.pservers)] + [
+                f"trainer.{i}" for i in range(self.trainers)
+            ]
+            bound = ", ".join(f"{n} on core {core_of(n, self.pservers, self.cores)}" for n in names)
+            shared = " (more processes than cores: some share one)" if len(names) > len(self.cores) else ""
+            text += f"; bound: {bound}{shared}"
+        return text
 
     def _start_helpers(self) -> None:
         """Start processes the job needs before its pservers and trainers."""
@@ -375,6 +397,17 @@ class Launcher:
             time.sleep(POLL_S)
 
 
+def core_of(name: str, pservers: int, cores: Sequence[int]) -> int | None:
+    """The core process `name` is bound to: the job's pservers, then its trainers, take
+    `cores` in turn (round-robin past the last). Other processes (a coordinator) are not
+    bound."""
+    role, _, index = name.partition(".")
+    if role not in ("pserver", "trainer") or not index.isdigit():
+        return None
+    position = int(index) + (pservers if role == "trainer" else 0)
+    return cores[position % len(cores)]
+
+
 def launch(
     script: str,
     args: Sequence[str] = (),
@@ -388,13 +421,27 @@ def launch(
     stop_timeout: float = 5.0,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    bind_cores: bool = False,
 ) -> int:
     """Run `script` as a job of `pservers` pservers and `trainers` trainers; its exit status.
+    `bind_cores`: each process bound to one core of this one's (core_of).
     (A job reading a dataset through a coordinator: DatasetLauncher.)
 
     Raises BuilderError for bad arguments, a port that is taken, or a process that
     cannot be started (after stopping any already started).
     """
     return Launcher(
-        script, args, pservers, trainers, mode, host, start_port, log_dir, grace, stop_timeout, stdout, stderr
+        script,
+        args,
+        pservers,
+        trainers,
+        mode,
+        host,
+        start_port,
+        log_dir,
+        grace,
+        stop_timeout,
+        stdout,
+        stderr,
+        bind_cores=bind_cores,
     ).run()

@@ -212,6 +212,53 @@ def test_every_process_sees_its_role(tmp_path):
     assert "all processes exited with status 0" in result.stderr and "stopping" not in result.stderr
 
 
+SHOW_CORES = r"""
+import json, os
+import fluidps
+import zmq
+
+info = fluidps.role_from_env()
+context = zmq.Context(io_threads=2)  # its I/O threads inherit the process's binding
+socket = context.socket(zmq.DEALER)
+threads = sorted(int(t) for t in os.listdir("/proc/self/task"))
+cores = {t: sorted(os.sched_getaffinity(t)) for t in threads}
+print(json.dumps({"role": info.role, "trainer_id": info.trainer_id, "cores": cores}), flush=True)
+socket.close()
+context.term()
+"""
+
+
+def test_bind_cores_puts_each_process_and_its_threads_on_one_core_in_turn(tmp_path):
+    script = tmp_path / "show_cores.py"
+    script.write_text(SHOW_CORES)
+    result = fluidps_launch("--pservers", "2", "--trainers", "3", "--bind-cores", str(script))
+    assert result.returncode == 0, result.stderr
+    mine = sorted(os.sched_getaffinity(0))
+    seen = {}
+    for line in result.stdout.splitlines():
+        m = re.fullmatch(r"\[(pserver|trainer)\.(\d+)\] (\{.*\})", line)
+        assert m, f"unprefixed line {line!r}"
+        seen[f"{m[1]}.{m[2]}"] = json.loads(m[3])["cores"]
+    order = ["pserver.0", "pserver.1", "trainer.0", "trainer.1", "trainer.2"]  # pservers first, in turn
+    assert sorted(seen) == sorted(order)
+    for position, name in enumerate(order):
+        threads = seen[name]
+        assert len(threads) >= 3  # the main thread and ZeroMQ's: every one on the process's core
+        assert {tuple(c) for c in threads.values()} == {(mine[position % len(mine)],)}, name
+    assert f"trainer.0 on core {mine[2 % len(mine)]}" in result.stderr
+
+
+def test_without_bind_cores_processes_may_run_anywhere(tmp_path):
+    script = tmp_path / "show_cores.py"
+    script.write_text(SHOW_CORES)
+    result = fluidps_launch("--pservers", "1", "--trainers", "1", str(script))
+    assert result.returncode == 0, result.stderr
+    for line in result.stdout.splitlines():
+        cores = json.loads(line.partition("] ")[2])["cores"]
+        assert {tuple(c) for c in cores.values()} == {tuple(sorted(os.sched_getaffinity(0)))}
+    assert "bound" not in result.stderr
+
+
 def test_start_port_is_honoured(tmp_path):
     script = tmp_path / "show_role.py"
     script.write_text(SHOW_ROLE)
