@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
                 "mode": "sync",
                 "trainers": args.trainers,
                 "pservers": 1,
-                "runner": "raw pyzmq (ceiling)",
+                "runner": "raw pyzmq (ceiling)" + (", bound to cores" if args.bind_cores else ""),
                 "samples_per_s": round(raw, 1),
                 "vs_local": round(raw / local, 3),
                 "loss": round(loss, 4),

@@ -223,16 +223,19 @@ def test_distributed_bench_runs_the_ctr_model_over_a_hashed_table():
     assert memory["table_over_ideal"] >= 1 and memory["trainer_rss_mib"] > 0
 
 
-def test_the_ceiling_runs_two_trainers_in_lockstep_through_one_pserver():
+@pytest.mark.parametrize("bound", [False, True], ids=["unbound", "bound"])
+def test_the_ceiling_runs_two_trainers_in_lockstep_through_one_pserver(bound):
     """bench.ceiling with 2 trainers: the pserver waits for both trainers' gradients each
-    step and answers both (a pserver that answered one would leave the other waiting)."""
-    local, job = bench("ceiling", "--trainers", "2", "--steps", "5", "--repeats", "1")
+    step and answers both (a pserver that answered one would leave the other waiting);
+    also with each process bound to a core, as fluidps launch --bind-cores binds a job's."""
+    flags = ["--bind-cores"] if bound else []
+    local, job = bench("ceiling", "--trainers", "2", "--steps", "5", "--repeats", "1", *flags)
     assert local["mode"] == "local" and local["samples_per_s"] > 0
     assert (job["mode"], job["trainers"], job["pservers"], job["runner"]) == (
         "sync",
         2,
         1,
-        "raw pyzmq (ceiling)",
+        "raw pyzmq (ceiling)" + (", bound to cores" if bound else ""),
     )
     assert job["samples_per_s"] > 0 and 0 < job["loss"] < 2.4  # it trained: below ln(10) at the start
 
