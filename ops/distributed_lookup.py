@@ -272,11 +272,13 @@ def _distributed_lookup_grad_kernel(op: KernelOp) -> Runner:
     def run(env: Env) -> None:
         if dw_name is None:
             return
-        ids = [spec.ids(env, name)[0] for name in ids_names]
-        douts = [contiguous(env[name]).reshape(len(i), -1) for name, i in zip(dout_names, ids, strict=True)]
-        flat = np.concatenate(ids) if len(ids) > 1 else ids[0]
-        dout = np.concatenate(douts) if len(douts) > 1 else douts[0]
-        dout = contiguous(dout)
+        checked = [spec.ids(env, name) for name in ids_names]
+        douts = [
+            contiguous(env[name]).reshape(len(ids), -1)
+            for name, (ids, _) in zip(dout_names, checked, strict=True)
+        ]
+        flat = _flat(checked)
+        dout = contiguous(np.concatenate(douts) if len(douts) > 1 else douts[0])
         if spec.has_pad or not summed:
             rows, value = sparse_grad(flat, dout, spec.has_pad, spec.pad)  # padding left out
         else:

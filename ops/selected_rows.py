@@ -75,25 +75,12 @@ def scatter_add(dense, rows, value):
             dense[r, j] += value[i, j]
 
 
-@njit(cache=True)
-def merge_rows(rows, value):
-    """(unique sorted rows, summed values) of a 2-D SelectedRows value."""
-    order = np.argsort(rows, kind="mergesort")
-    n = 0
-    for k in range(order.shape[0]):
-        if k == 0 or rows[order[k]] != rows[order[k - 1]]:
-            n += 1
-    out_rows = np.empty(n, dtype=np.int64)
-    out = np.zeros((n, value.shape[1]), dtype=value.dtype)
-    i = -1
-    for k in range(order.shape[0]):
-        src = order[k]
-        if k == 0 or rows[src] != rows[order[k - 1]]:
-            i += 1
-            out_rows[i] = rows[src]
-        for j in range(value.shape[1]):
-            out[i, j] += value[src, j]
-    return out_rows, out
+def merge_rows(rows: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique sorted rows, summed values) of a 2-D SelectedRows value: repeats add up in
+    their order, from zeros. Only the distinct rows are sorted."""
+    unique, inverse = unique_ids(rows)
+    order = np.argsort(unique)
+    return unique[order], np.take(sum_rows(inverse, len(unique), value), order, axis=0)
 
 
 @njit(cache=True)
@@ -123,14 +110,10 @@ def unique_ids(ids):
     return unique[:m], inverse
 
 
-@njit(cache=True)
-def sum_rows(inverse, n, value):
+def sum_rows(inverse: np.ndarray, n: int, value: np.ndarray) -> np.ndarray:
     """out[inverse[i]] += value[i] for each i in order, from zeros: a gradient's rows summed
-    per unique id, adding up in the order merge_rows and the optimizers' merges add them,
-    so that what is applied is the same bit for bit."""
+    per unique id, adding up in the order the optimizers' merges add them, so that what
+    is applied is the same bit for bit."""
     out = np.zeros((n, value.shape[1]), dtype=value.dtype)
-    for i in range(inverse.shape[0]):
-        r = inverse[i]
-        for j in range(value.shape[1]):
-            out[r, j] += value[i, j]
+    scatter_add(out, inverse, value)
     return out

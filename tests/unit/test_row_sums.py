@@ -35,7 +35,7 @@ def test_unique_ids_keeps_each_id_once_in_first_seen_order(name):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("name", sorted(ID_CASES))
-def test_sum_rows_adds_repeats_as_merge_rows_does_bit_for_bit(name, dtype):
+def test_sum_rows_and_merge_rows_add_repeats_in_order_bit_for_bit(name, dtype):
     ids = ID_CASES[name]
     value = RNG.normal(size=(len(ids), 3)).astype(dtype)
     unique, inverse = unique_ids(ids)
@@ -44,6 +44,10 @@ def test_sum_rows_adds_repeats_as_merge_rows_does_bit_for_bit(name, dtype):
     order = np.argsort(unique)
     np.testing.assert_array_equal(unique[order], merged_rows)
     np.testing.assert_array_equal(summed[order], merged)
+    # np.add.at adds each repeat in turn, from zeros: the sums an optimizer's merge makes.
+    expected = np.zeros_like(merged)
+    np.add.at(expected, np.searchsorted(merged_rows, ids), value)
+    np.testing.assert_array_equal(merged, expected)
 
 
 @pytest.mark.parametrize(("shape", "pad"), [((6, 4), -1), ((6, 4), 3), ((30,), 0)])
