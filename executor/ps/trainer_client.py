@@ -247,8 +247,13 @@ class TrainerClient:
         self._flush([ep for ep in requests if ep in self._held])  # ahead of the prefetch, in order
         replies = self._exchange(requests, trainer_id, wait=True) if requests else {}
         unanswered = {ep: (a.client, a.rid) for ep, (a, _) in served.items() if a.reply is None}
-        for endpoint, reply in wait_all(unanswered).items():
-            served[endpoint][0].reply = reply
+        try:
+            for endpoint, reply in wait_all(unanswered).items():
+                served[endpoint][0].reply = reply
+        except TransportError:
+            for endpoint in unanswered:  # given up on (wait_all forgot them): nothing waits for them again
+                del self._ahead[endpoint]
+            raise
         for endpoint, (ahead, taken) in served.items():
             replies[endpoint] = ahead.reply
             for name in taken:

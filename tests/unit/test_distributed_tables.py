@@ -392,6 +392,38 @@ def test_a_prefetch_reply_without_the_rows_fails_naming_the_pserver_and_the_tabl
         runtime.close()
 
 
+def test_rows_asked_for_ahead_whose_answer_fails_are_given_up_once(net):
+    """The failed answer fails the step that takes it; closing the trainer then waits
+    for nothing more (a second wait would last the request timeout and say so)."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+
+    def refusing(request):  # the step's GET is answered; the rows asked for ahead are refused
+        msg = request.msg
+        if msg.kind == Kind.PREFETCH:
+            return Message(Kind.ERROR, text="no rows for you")
+        if msg.kind == Kind.SEND and msg.names:
+            return Message(Kind.VALUES, tensors={n: np.zeros(2, np.float32) for n in msg.names})
+        return Message(Kind.OK)
+
+    settings = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=5.0)
+    net.serve(endpoint, settings, handler=refusing)
+    runtime = Runtime(RuntimeConfig(rpc=settings))
+    trainer = runtime.trainer
+    item = (endpoint, "t.block0", np.array([1, 2], np.int64))
+    try:
+        trainer.begin_step(next_feed=lambda: {"ids": item[2]})
+        trainer.prefetch_next(lambda feed: [item])
+        trainer.send_barrier([endpoint], trainer_id=0)
+        trainer.get([(endpoint, "w")], trainer_id=0)  # the SEND with the barrier and GET; the rows behind it
+        trainer.begin_step()
+        with pytest.raises(RemoteError, match="no rows for you"):
+            trainer.prefetch([item], trainer_id=0)  # served ahead: its answer is the refusal
+        assert trainer.prefetches == {"served_ahead": 1, "sent": 0}
+    finally:
+        problems = runtime.close()
+    assert not [p for p in problems if "did not answer" in p]
+
+
 def test_transpile_and_inspect_show_the_distributed_table_and_its_prefetch(tmp_path):
     main, startup, _ = ctr_model(OPTIMIZERS["sgd"], distributed=False)
     (tmp_path / "main.pb").write_bytes(main.serialize_to_string())
