@@ -95,14 +95,23 @@ def _infer_grad(ctx: InferContext) -> None:
             ctx.set_output("W@GRAD", (height, width), douts[0].dtype, type=VarType.SELECTED_ROWS)
 
 
-_GRAD = GradSpec(inputs=("Ids",), out_grads=("Outputs",), in_grads=("W",), infer=_infer_grad)
+_GRAD = GradSpec(
+    inputs=("Ids",),
+    outputs=("UniqueIds", "UniqueIndex"),
+    out_grads=("Outputs",),
+    in_grads=("W",),
+    infer=_infer_grad,
+)
 
 
 @family.op(
     "distributed_lookup_table",
     # W is Fluid's slot; the transpiler leaves it empty, as trainers never hold the table.
     inputs=[In("Ids", dup=True), In("W", opt=True)],
-    outputs=[Out("Outputs", dup=True)],
+    # UniqueIds / UniqueIndex (fluidps's, optional): the batch's ids once each, in the order
+    # first seen, and where each id that is not padding_idx went, as the unique op's
+    # Out / Index. The grad op sums its rows with them instead of finding them again.
+    outputs=[Out("Outputs", dup=True), Out("UniqueIds", opt=True), Out("UniqueIndex", opt=True)],
     attrs=_ATTRS,
     grad=_GRAD,
 )
@@ -118,6 +127,9 @@ def _infer_distributed_lookup_table(ctx: InferContext) -> None:
             ctx.fail(f"Outputs {out_name!r} must be declared with the table's width")
         shape = ids.shape[:-1] if v1 else ids.shape
         ctx.set_output("Outputs", (*shape, out.shape[-1]), out.dtype, index=i)
+    for slot in ("UniqueIds", "UniqueIndex"):
+        if ctx.op.output(slot):
+            ctx.set_output(slot, (-1,), VarType.INT64)
 
 
 # -- kernels -----------------------------------------------------------------------------
@@ -194,6 +206,7 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
     if declared is None or not declared.shape or declared.shape[-1] < 1 or declared.dtype is None:
         raise ExecutionError(f"{op.type}: Outputs {out_names[0]!r} needs a declared width and dtype")
     width, dtype = int(declared.shape[-1]), to_numpy_dtype(declared.dtype)
+    unique_name, index_name = op.output("UniqueIds"), op.output("UniqueIndex")
     trainer = op.runtime.trainer
     planned: list[_Plan] = []  # the next step's plan, made when its rows were asked for ahead
 
@@ -241,6 +254,8 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
         for out_name, (ids, shape) in zip(out_names, checked, strict=True):
             env[out_name] = gathered[start : start + len(ids)].reshape((*shape, width))
             start += len(ids)
+        if unique_name is not None and index_name is not None:
+            env[unique_name], env[index_name] = p.unique, p.inverse
         trainer.prefetch_next(plan_next)  # sync mode: the next batch's rows come with this step's values
 
     return run
@@ -268,6 +283,9 @@ def _distributed_lookup_grad_kernel(op: KernelOp) -> Runner:
     spec = _Blocks(op)
     ids_names, dout_names, dw_name = op.inputs("Ids"), op.inputs("Outputs@GRAD"), op.output("W@GRAD")
     summed = op.attr("sum_repeated_rows")
+    # The forward op's UniqueIds / UniqueIndex, where the program has it write them.
+    found = summed and op.has_input("UniqueIds") and op.has_input("UniqueIndex")
+    unique_name, index_name = (op.input("UniqueIds"), op.input("UniqueIndex")) if found else (None, None)
 
     def run(env: Env) -> None:
         if dw_name is None:
@@ -283,7 +301,16 @@ def _distributed_lookup_grad_kernel(op: KernelOp) -> Runner:
             rows, value = sparse_grad(flat, dout, spec.has_pad, spec.pad)  # padding left out
         else:
             rows, value = flat, dout
-        if summed:  # a third of the bytes on a CTR batch, and no merge left for the pserver to do
+        if found:  # a third of the bytes on a CTR batch, and no merge left for the pserver to do
+            rows, inverse = env[unique_name], env[index_name]
+            if inverse.shape != (len(value),):
+                raise ExecutionError(
+                    f"{op.type}: UniqueIndex {index_name!r} of table {spec.table!r} places "
+                    f"{len(inverse)} ids, the gradient has {len(value)} rows: UniqueIds and UniqueIndex "
+                    "must come from this step's distributed_lookup_table of the same Ids"
+                )
+            value = sum_rows(inverse, len(rows), value)
+        elif summed:
             rows, inverse = unique_ids(rows)
             value = sum_rows(inverse, len(rows), value)
         env[dw_name] = SelectedRows(rows, value, spec.height)

@@ -25,7 +25,7 @@ from fluidps.ir.program import Block, Program
 from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_VAR_ATTR, OpRole, VarType
 from fluidps.ops.optimizers import SUMS_REPEATED_ROWS
 from fluidps.ops.roles import append_role_op
-from fluidps.transpiler.analysis import ProgramRoles, role
+from fluidps.transpiler.analysis import ParamUpdate, ProgramRoles, role
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.plan import Slice
 from fluidps.transpiler.tables import HASHED_LOOKUP, LOOKUPS
@@ -49,11 +49,10 @@ def build_trainer_program(
         _prefetch(block, table, [s for s in slices if s.param == table], trainer_id, optimizers[table])
         block.remove_var(table)
     _drop_unused_vars(block)
-    # Each gradient is cut and sent right after the last op that writes it: in backward
-    # order, while the gradients of the layers below are still being computed.
-    # (Inserted from the back, so that the positions found stay valid.)
-    placed = [(_after_last_write(block, update.grad), update) for update in roles.updates]
-    for position, update in sorted(placed, key=lambda p: p[0], reverse=True):
+    placed = _send_positions(block, roles, slices, config)
+    # (Inserted from the back, so that the positions found stay valid and the sends at one
+    # position end up in their order.)
+    for (position, *_), update in sorted(placed, key=lambda p: p[0], reverse=True):
         mine = [s for s in slices if s.param == update.param]
         sent = _split_gradient(block, update.grad, mine, position)
         attrs = {
@@ -178,16 +177,30 @@ def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int, op
         "trainer_id": trainer_id,
         "sharding": "id_hash" if hashed else "row_blocks",
     }
+    lookups = [op for op in block.ops if op.type in (*LOOKUPS, HASHED_LOOKUP) and op.input("W") == [table]]
+    # Where rows are summed, each lookup hands its grad op the batch's ids, found once
+    # (UniqueIds, UniqueIndex); not where two lookups read the same Ids (whose would they be?).
+    ids_of = [tuple(op.input("Ids")) for op in lookups]
+    uniques = {
+        ids: (f"{ids[0]}@{table}@UNIQUE_IDS", f"{ids[0]}@{table}@UNIQUE_INDEX")
+        for ids in ids_of
+        if attrs["sum_repeated_rows"] and ids_of.count(ids) == 1
+    }
+    for names in uniques.values():
+        for name in names:
+            block.create_var(name, shape=(-1,), dtype=VarType.INT64)
     for index, op in enumerate(list(block.ops)):
         forward = op.type.removesuffix("_grad")
         if forward not in (*LOOKUPS, HASHED_LOOKUP) or op.input("W") != [table]:
             continue
         version = "lookup_table" if forward == HASHED_LOOKUP else forward
         own = attrs | {"padding_idx": op.attr("padding_idx"), "lookup_table_version": version}
+        unique = uniques.get(tuple(op.input("Ids")))
+        found = {"UniqueIds": [unique[0]], "UniqueIndex": [unique[1]]} if unique else {}
         if op.type == forward:
-            inputs, outputs = {"Ids": op.input("Ids")}, {"Outputs": op.output("Out")}
+            inputs, outputs = {"Ids": op.input("Ids")}, {"Outputs": op.output("Out")} | found
         else:
-            inputs = {"Ids": op.input("Ids"), "Outputs@GRAD": op.input("Out@GRAD")}
+            inputs = {"Ids": op.input("Ids"), "Outputs@GRAD": op.input("Out@GRAD")} | found
             outputs = {"W@GRAD": op.output("W@GRAD")}
         block.remove_op(index)
         append_role_op(
@@ -200,6 +213,53 @@ def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int, op
             role_var=op.attr(OP_ROLE_VAR_ATTR) if op.has_attr(OP_ROLE_VAR_ATTR) else [],
             index=index,
         )
+
+
+def _send_positions(
+    block: Block, roles: ProgramRoles, slices: list[Slice], config: DistributeTranspilerConfig
+) -> list[tuple[tuple[int, int, int], ParamUpdate]]:
+    """Where each gradient's send goes: (position, then an order among the sends there).
+
+    A send that may fill its pserver's bucket (send_bucket_bytes) goes right after the
+    last op that writes its gradient: in backward order, so that its message travels
+    while the gradients of the layers below are still being computed. A send that cannot
+    fill one only holds its gradient for a later message; it goes just before the next
+    send to its pservers that may (a gradient of unknown size, a SelectedRows, may), or
+    at the end of backward, so that sends do not cut backward into pieces that the
+    compiler runs apart. The messages are the same. A communicator sends each gradient
+    on its own: with one, every send stays where its gradient is done."""
+    written = sorted((_after_last_write(block, u.grad), i) for i, u in enumerate(roles.updates))
+    position = {i: (at, 1, seq) for seq, (at, i) in enumerate(written)}
+    if config.communicator or config.send_bucket_bytes == 0:
+        return [(position[i], u) for i, u in enumerate(roles.updates)]
+    held: dict[str, int] = {}  # bytes held per pserver by the sends in `waiting`
+    waiting: dict[int, set[str]] = {}  # sends that fill no bucket -> their pservers
+    for at, i in written:
+        mine = [s for s in slices if s.param == roles.updates[i].param]
+        fills = False
+        for s in mine:
+            size = _known_bytes(block, roles.updates[i].grad, s)
+            held[s.endpoint] = held.get(s.endpoint, 0) + (size or 0)
+            fills |= size is None or held[s.endpoint] >= config.send_bucket_bytes
+        endpoints = {s.endpoint for s in mine}
+        if not fills:
+            waiting[i] = endpoints
+            continue
+        for j in [j for j, theirs in waiting.items() if theirs & endpoints]:
+            position[j] = (at, 0, position[j][2])  # just before this send: on its message
+            del waiting[j]
+        held.update(dict.fromkeys(endpoints, 0))
+    for j in waiting:
+        position[j] = (len(block.ops), 0, position[j][2])
+    return [(position[i], u) for i, u in enumerate(roles.updates)]
+
+
+def _known_bytes(block: Block, grad: str, s: Slice) -> int | None:
+    """The bytes of slice `s` of gradient `grad`, or None where they depend on the batch
+    (a SelectedRows: as many rows as the batch looks up)."""
+    if s.sparse or s.hashed or block.var(grad).type == VarType.SELECTED_ROWS:
+        return None
+    return s.nbytes
 
 
 def _merge_mode(config: DistributeTranspilerConfig, optimizer: str) -> str:

@@ -130,6 +130,10 @@ def test_sync_job_with_a_distributed_table_trains_exactly_like_local(rule, pserv
     assert received == sum(len(np.unique(ids)) if summed else len(ids) for ids in looked_up)
     ops = {op.type: op for op in job.program.global_block().ops}
     assert ops["distributed_lookup_table_grad"].attr("sum_repeated_rows") == summed
+    # Summing, the grad op takes the ids its lookup found once (it does not find them again).
+    for slot in ("UniqueIds", "UniqueIndex"):
+        found = ops["distributed_lookup_table"].output(slot)
+        assert ops["distributed_lookup_table_grad"].input(slot) == found and len(found) == summed
 
 
 @pytest.mark.parametrize("pservers", [1, 2])

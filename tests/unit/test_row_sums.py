@@ -78,3 +78,37 @@ def test_the_distributed_lookup_gradient_sums_repeated_rows_when_told(shape, pad
     np.testing.assert_array_equal(grads[False].rows, kept)  # every looked-up row, repeats too
     np.testing.assert_array_equal(np.sort(grads[True].rows), np.unique(kept))  # each row once
     np.testing.assert_array_equal(grads[True].to_dense(), grads[False].to_dense())
+
+
+@pytest.mark.parametrize(("shape", "pad"), [((6, 4), -1), ((6, 4), 3)])
+def test_the_distributed_lookup_gradient_sums_by_the_ids_its_lookup_found(shape, pad):
+    """Given the forward op's UniqueIds / UniqueIndex, the grad op sums by them (its rows
+    are those ids, in their order) instead of finding them again: the same tensor. An
+    index that does not fit the gradient is refused, naming both."""
+    ids = RNG.integers(0, 8, size=shape).astype(np.int64)
+    ids.reshape(-1)[::4] = max(pad, 0)
+    dout = RNG.normal(size=(*shape, 3)).astype(np.float32)
+    attrs = {
+        "table_name": "emb",
+        "table_names": ["emb.block0"],
+        "endpoints": ["127.0.0.1:1"],
+        "height_sections": [8],
+        "padding_idx": pad,
+        "lookup_table_version": "lookup_table_v2",
+        "sum_repeated_rows": True,
+    }
+    kept = ids.reshape(-1)[ids.reshape(-1) != pad]
+    found = unique_ids(kept[::-1].copy())[0]  # another order than the batch's: it is theirs
+    index = np.searchsorted(np.sort(found), kept)
+    index = np.argsort(found)[index]  # kept[i] == found[index[i]]
+    inputs = {"Ids": ids, "Outputs@GRAD": dout, "UniqueIds": found, "UniqueIndex": index}
+    got = run_op("distributed_lookup_table_grad", inputs, attrs, outputs={"W@GRAD": 1})["W@GRAD"]
+    plain = run_op(
+        "distributed_lookup_table_grad", {"Ids": ids, "Outputs@GRAD": dout}, attrs, outputs={"W@GRAD": 1}
+    )["W@GRAD"]
+    np.testing.assert_array_equal(got.rows, found)
+    np.testing.assert_array_equal(got.to_dense(), plain.to_dense())
+    with pytest.raises(Exception, match=r"UniqueIndex .* places 3 ids, the gradient has \d+ rows"):
+        run_op(
+            "distributed_lookup_table_grad", inputs | {"UniqueIndex": index[:3]}, attrs, outputs={"W@GRAD": 1}
+        )

@@ -63,7 +63,7 @@ def rpc_tail(program, n_forward_backward):
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_mlp_trainer_program(mode):
     main, startup = mlp()
-    t, _plan = transpile(main, startup, mode)
+    t, _plan = transpile(main, startup, mode, send_bucket_bytes=0)
     trainer = t.get_trainer_program()
     forward = [
         "mul",
@@ -74,8 +74,8 @@ def test_mlp_trainer_program(mode):
         "softmax_with_cross_entropy",
         "mean",
     ]
-    # Each gradient is sent right after the op that computes it, in backward order:
-    # fc_1's weight and bias while fc_0's gradients are still to come.
+    # With no bucket, each gradient is sent right after the op that computes it, in
+    # backward order: fc_1's weight and bias while fc_0's gradients are still to come.
     # fc_0.w_0 [64, 256] (16384 values) is cut in two; fc_1.w_0 [256, 10] and the biases stay whole.
     backward = [
         "fill_constant", "mean_grad", "softmax_with_cross_entropy_grad",
@@ -105,7 +105,7 @@ def test_mlp_trainer_program(mode):
     ]
     sent = [n for op in sends for n in op.input("X")]
     assert sorted(sent) == sorted(n for op in sends for n in op.attr("send_varnames")) == sorted(grads)
-    assert all(op.attr("bucket_bytes") == 1024 * 1024 for op in sends)
+    assert all(op.attr("bucket_bytes") == 0 for op in sends)
     # One recv carries every slice, each from its owner.
     recv = next(op for op in block if op.type == "recv")
     params = ["fc_0.w_0.block0", "fc_0.w_0.block1", "fc_0.b_0", "fc_1.w_0", "fc_1.b_0"]
@@ -118,6 +118,73 @@ def test_mlp_trainer_program(mode):
     assert all(sent_to[f"{p.replace('.block', '@GRAD.block')}"] == owner[p] for p in params if "block" in p)
     assert all(sent_to[f"{p}@GRAD"] == owner[p] for p in params if "block" not in p)
     assert recv.attr("staleness") == 0 and recv.attr("sync_mode") == (mode == "sync")
+
+
+MLP_BACKWARD = [
+    "fill_constant", "mean_grad", "softmax_with_cross_entropy_grad", "elementwise_add_grad",
+    "mul_grad", "relu_grad", "elementwise_add_grad", "mul_grad",
+]  # fmt: skip
+
+
+def test_sends_that_fill_no_bucket_go_at_the_end_of_backward():
+    """The MLP's gradients (85 KiB) fill no 1 MiB bucket: they all ride on the step's last
+    message whatever their sends' places, so the sends go together after backward, which
+    stays in one piece (one compiled segment)."""
+    main, startup = mlp()
+    t, _plan = transpile(main, startup, "sync")
+    trainer = ops(t.get_trainer_program())
+    start = trainer.index("fill_constant")
+    sends = ["send", "send", "send", "split_byref", "send"]  # fc_1.b, fc_1.w, fc_0.b, fc_0.w cut in two
+    tail = ["send_barrier", "recv", "fetch_barrier", "concat"]
+    assert trainer[start:] == MLP_BACKWARD + sends + tail
+    block = t.get_trainer_program().global_block().ops
+    sent = [op.input("X") for op in block if op.type == "send"]
+    assert sent == [  # in the order backward computed them
+        ["fc_1.b_0@GRAD"], ["fc_1.w_0@GRAD"], ["fc_0.b_0@GRAD"], ["fc_0.w_0@GRAD.block0", "fc_0.w_0@GRAD.block1"],
+    ]  # fmt: skip
+
+
+def test_a_send_that_may_fill_its_bucket_stays_where_its_gradient_is_done():
+    """With 8 KiB buckets, fc_1.w (256 x 10 floats, 10 KiB) fills one: its send stays right
+    after its mul_grad, while fc_0's gradients are still to come. fc_1.b fills none: it
+    goes with the next send to its pserver that does, fc_0.w's (each of its blocks, 32 KiB,
+    fills one), just before it, as fc_0.b does."""
+    main, startup = mlp()
+    t, _plan = transpile(main, startup, "sync", send_bucket_bytes=8 * 1024)
+    block = t.get_trainer_program().global_block().ops
+    start = [op.type for op in block].index("fill_constant")
+    assert [(op.type, op.input("X") if op.type == "send" else None) for op in block[start:]] == [
+        *((name, None) for name in MLP_BACKWARD[:5]),
+        ("send", ["fc_1.w_0@GRAD"]),
+        *((name, None) for name in MLP_BACKWARD[5:]),
+        ("send", ["fc_1.b_0@GRAD"]),
+        ("send", ["fc_0.b_0@GRAD"]),
+        ("split_byref", None),
+        ("send", ["fc_0.w_0@GRAD.block0", "fc_0.w_0@GRAD.block1"]),
+        *((name, None) for name in RPC_TAIL),
+    ]
+
+
+def test_a_sparse_gradients_send_may_fill_its_bucket():
+    """A SelectedRows gradient's size depends on the batch: its send stays where the
+    gradient is done, and the sends to its pserver that fill no bucket go just before it."""
+    main, startup = sparse_model(vocab=100)  # 100 x 8: 3 KiB, but a SelectedRows gradient
+    t, _plan = transpile(main, startup, "sync")
+    block = t.get_trainer_program().global_block().ops
+    start = [op.type for op in block].index("lookup_table_v2_grad")
+    assert (
+        [(op.type, op.input("X") if op.type == "send" else None) for op in block[start:]]
+        == [
+            ("lookup_table_v2_grad", None),
+            ("send", ["fc_0.b_0@GRAD"]),  # fc_0.b on the embedding's pserver, fc_0.w on the other
+            ("send", ["fc_0.w_0@GRAD"]),
+            ("send", ["embedding_0.w_0@GRAD"]),
+            *((name, None) for name in RPC_TAIL[:-1]),
+        ]
+    )
+
+
+RPC_TAIL = ["send_barrier", "recv", "fetch_barrier", "concat"]
 
 
 def test_mlp_pserver_programs_sync():
