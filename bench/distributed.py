@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ctr-vocab", default=str(CTR_VOCAB), help="rows of the CTR table; a comma list runs each"
     )
-    parser.add_argument("--bandwidth-mib", type=int, default=16)
+    parser.add_argument("--bandwidth-mib", type=int, default=16, help="0: no bandwidth rows")
     parser.add_argument(
         "--hashed-ids", type=int, default=0, help="also feed a hashed table's job this many ids"
     )
@@ -507,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"unknown model {name!r}")
     if args.hashed_ids:
         print(json.dumps(bench_hashed_job_memory(args.hashed_ids)), flush=True)
-    bench_bandwidth(args.bandwidth_mib * MIB, max(int(20 * scale), 5))
+    if args.bandwidth_mib > 0:
+        bench_bandwidth(args.bandwidth_mib * MIB, max(int(20 * scale), 5))
 
 
 if __name__ == "__main__":
