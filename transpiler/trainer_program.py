@@ -236,19 +236,19 @@ def _send_positions(
     waiting: dict[int, set[str]] = {}  # sends that fill no bucket -> their pservers
     for at, i in written:
         mine = [s for s in slices if s.param == roles.updates[i].param]
-        fills = False
+        filled = set()  # the pservers whose buckets this send may fill (and so send)
         for s in mine:
             size = _known_bytes(block, roles.updates[i].grad, s)
             held[s.endpoint] = held.get(s.endpoint, 0) + (size or 0)
-            fills |= size is None or held[s.endpoint] >= config.send_bucket_bytes
-        endpoints = {s.endpoint for s in mine}
-        if not fills:
-            waiting[i] = endpoints
+            if size is None or held[s.endpoint] >= config.send_bucket_bytes:
+                filled.add(s.endpoint)
+        if not filled:
+            waiting[i] = {s.endpoint for s in mine}
             continue
-        for j in [j for j, theirs in waiting.items() if theirs & endpoints]:
+        for j in [j for j, theirs in waiting.items() if theirs & filled]:
             position[j] = (at, 0, position[j][2])  # just before this send: on its message
             del waiting[j]
-        held.update(dict.fromkeys(endpoints, 0))
+        held.update(dict.fromkeys(filled, 0))
     for j in waiting:
         position[j] = (len(block.ops), 0, position[j][2])
     return [(position[i], u) for i, u in enumerate(roles.updates)]
