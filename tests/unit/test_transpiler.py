@@ -124,6 +124,7 @@ MLP_BACKWARD = [
     "fill_constant", "mean_grad", "softmax_with_cross_entropy_grad", "elementwise_add_grad",
     "mul_grad", "relu_grad", "elementwise_add_grad", "mul_grad",
 ]  # fmt: skip
+RPC_TAIL = ["send_barrier", "recv", "fetch_barrier", "concat"]
 
 
 def test_sends_that_fill_no_bucket_go_at_the_end_of_backward():
@@ -135,8 +136,7 @@ def test_sends_that_fill_no_bucket_go_at_the_end_of_backward():
     trainer = ops(t.get_trainer_program())
     start = trainer.index("fill_constant")
     sends = ["send", "send", "send", "split_byref", "send"]  # fc_1.b, fc_1.w, fc_0.b, fc_0.w cut in two
-    tail = ["send_barrier", "recv", "fetch_barrier", "concat"]
-    assert trainer[start:] == MLP_BACKWARD + sends + tail
+    assert trainer[start:] == MLP_BACKWARD + sends + RPC_TAIL
     block = t.get_trainer_program().global_block().ops
     sent = [op.input("X") for op in block if op.type == "send"]
     assert sent == [  # in the order backward computed them
@@ -182,9 +182,6 @@ def test_a_sparse_gradients_send_may_fill_its_bucket():
             *((name, None) for name in RPC_TAIL[:-1]),
         ]
     )
-
-
-RPC_TAIL = ["send_barrier", "recv", "fetch_barrier", "concat"]
 
 
 def test_mlp_pserver_programs_sync():
