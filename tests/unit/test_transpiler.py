@@ -9,48 +9,11 @@ import sys
 import zlib
 
 import pytest
+from transpiler_models import EPS2, mlp, ops, sparse_model, transpile
 
 import fluidps
 from fluidps import layers, optimizer
 from helpers import paddle_fixture
-
-EPS2 = "127.0.0.1:6170,127.0.0.1:6171"
-BACKWARD_MLP = [
-    "fill_constant", "mean_grad", "softmax_with_cross_entropy_grad", "elementwise_add_grad", "mul_grad",
-    "relu_grad", "elementwise_add_grad", "mul_grad",
-]  # fmt: skip
-
-
-def mlp(lr=0.01, decay=False, l2=False):
-    main, startup = fluidps.Program(), fluidps.Program()
-    with fluidps.program_guard(main, startup):
-        x = layers.data("x", [64])
-        y = layers.data("y", [1], dtype="int64")
-        h = layers.fc(x, 256, act="relu")
-        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 10), y))
-        rate = layers.exponential_decay(lr, 100, 0.5, staircase=True) if decay else lr
-        optimizer.Adam(rate, regularization=fluidps.L2Decay(1e-4) if l2 else None).minimize(loss)
-    return main, startup
-
-
-def sparse_model(vocab=100_000):
-    main, startup = fluidps.Program(), fluidps.Program()
-    with fluidps.program_guard(main, startup):
-        ids = layers.data("ids", [4], dtype="int64")
-        y = layers.data("y", [1], dtype="int64")
-        emb = layers.reshape(layers.embedding_v2(ids, [vocab, 8], is_sparse=True), [-1, 32])
-        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(emb, 2), y))
-        optimizer.SGD(0.1).minimize(loss)
-    return main, startup
-
-
-def transpile(main, startup, mode="sync", pservers=EPS2, trainers=2, trainer_id=0, **config):
-    t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(mode=mode, **config))
-    return t, t.transpile(trainer_id, main, pservers, trainers=trainers, startup_program=startup)
-
-
-def ops(program, block=0):
-    return [op.type for op in program.block(block).ops]
 
 
 def rpc_tail(program, n_forward_backward):
@@ -118,70 +81,6 @@ def test_mlp_trainer_program(mode):
     assert all(sent_to[f"{p.replace('.block', '@GRAD.block')}"] == owner[p] for p in params if "block" in p)
     assert all(sent_to[f"{p}@GRAD"] == owner[p] for p in params if "block" not in p)
     assert recv.attr("staleness") == 0 and recv.attr("sync_mode") == (mode == "sync")
-
-
-MLP_BACKWARD = [
-    "fill_constant", "mean_grad", "softmax_with_cross_entropy_grad", "elementwise_add_grad",
-    "mul_grad", "relu_grad", "elementwise_add_grad", "mul_grad",
-]  # fmt: skip
-RPC_TAIL = ["send_barrier", "recv", "fetch_barrier", "concat"]
-
-
-def test_sends_that_fill_no_bucket_go_at_the_end_of_backward():
-    """The MLP's gradients (85 KiB) fill no 1 MiB bucket: they all ride on the step's last
-    message whatever their sends' places, so the sends go together after backward, which
-    stays in one piece (one compiled segment)."""
-    main, startup = mlp()
-    t, _plan = transpile(main, startup, "sync")
-    trainer = ops(t.get_trainer_program())
-    start = trainer.index("fill_constant")
-    sends = ["send", "send", "send", "split_byref", "send"]  # fc_1.b, fc_1.w, fc_0.b, fc_0.w cut in two
-    assert trainer[start:] == MLP_BACKWARD + sends + RPC_TAIL
-    block = t.get_trainer_program().global_block().ops
-    sent = [op.input("X") for op in block if op.type == "send"]
-    assert sent == [  # in the order backward computed them
-        ["fc_1.b_0@GRAD"], ["fc_1.w_0@GRAD"], ["fc_0.b_0@GRAD"], ["fc_0.w_0@GRAD.block0", "fc_0.w_0@GRAD.block1"],
-    ]  # fmt: skip
-
-
-def test_a_send_that_may_fill_its_bucket_stays_where_its_gradient_is_done():
-    """With 8 KiB buckets, fc_1.w (256 x 10 floats, 10 KiB) fills one: its send stays right
-    after its mul_grad, while fc_0's gradients are still to come. fc_1.b fills none: it
-    goes with the next send to its pserver that does, fc_0.w's (each of its blocks, 32 KiB,
-    fills one), just before it, as fc_0.b does."""
-    main, startup = mlp()
-    t, _plan = transpile(main, startup, "sync", send_bucket_bytes=8 * 1024)
-    block = t.get_trainer_program().global_block().ops
-    start = [op.type for op in block].index("fill_constant")
-    assert [(op.type, op.input("X") if op.type == "send" else None) for op in block[start:]] == [
-        *((name, None) for name in MLP_BACKWARD[:5]),
-        ("send", ["fc_1.w_0@GRAD"]),
-        *((name, None) for name in MLP_BACKWARD[5:]),
-        ("send", ["fc_1.b_0@GRAD"]),
-        ("send", ["fc_0.b_0@GRAD"]),
-        ("split_byref", None),
-        ("send", ["fc_0.w_0@GRAD.block0", "fc_0.w_0@GRAD.block1"]),
-        *((name, None) for name in RPC_TAIL),
-    ]
-
-
-def test_a_sparse_gradients_send_may_fill_its_bucket():
-    """A SelectedRows gradient's size depends on the batch: its send stays where the
-    gradient is done, and the sends to its pserver that fill no bucket go just before it."""
-    main, startup = sparse_model(vocab=100)  # 100 x 8: 3 KiB, but a SelectedRows gradient
-    t, _plan = transpile(main, startup, "sync")
-    block = t.get_trainer_program().global_block().ops
-    start = [op.type for op in block].index("lookup_table_v2_grad")
-    assert (
-        [(op.type, op.input("X") if op.type == "send" else None) for op in block[start:]]
-        == [
-            ("lookup_table_v2_grad", None),
-            ("send", ["fc_0.b_0@GRAD"]),  # fc_0.b on the embedding's pserver, fc_0.w on the other
-            ("send", ["fc_0.w_0@GRAD"]),
-            ("send", ["embedding_0.w_0@GRAD"]),
-            *((name, None) for name in RPC_TAIL[:-1]),
-        ]
-    )
 
 
 def test_mlp_pserver_programs_sync():
