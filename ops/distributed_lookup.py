@@ -301,7 +301,7 @@ def _distributed_lookup_grad_kernel(op: KernelOp) -> Runner:
             rows, value = sparse_grad(flat, dout, spec.has_pad, spec.pad)  # padding left out
         else:
             rows, value = flat, dout
-        if found:  # a third of the bytes on a CTR batch, and no merge left for the pserver to do
+        if found:  # the ids the lookup kept once
             rows, inverse = env[unique_name], env[index_name]
             if inverse.shape != (len(value),):
                 raise ExecutionError(
@@ -309,9 +309,9 @@ def _distributed_lookup_grad_kernel(op: KernelOp) -> Runner:
                     f"{len(inverse)} ids, the gradient has {len(value)} rows: UniqueIds and UniqueIndex "
                     "must come from this step's distributed_lookup_table of the same Ids"
                 )
-            value = sum_rows(inverse, len(rows), value)
         elif summed:
             rows, inverse = unique_ids(rows)
+        if summed:  # a third of the bytes on a CTR batch, and no merge left for the pserver to do
             value = sum_rows(inverse, len(rows), value)
         env[dw_name] = SelectedRows(rows, value, spec.height)
 

@@ -177,10 +177,15 @@ def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int, op
         "trainer_id": trainer_id,
         "sharding": "id_hash" if hashed else "row_blocks",
     }
-    lookups = [op for op in block.ops if op.type in (*LOOKUPS, HASHED_LOOKUP) and op.input("W") == [table]]
+    # The lookups of `table` and their grad ops (each replaced where it is: indices hold).
+    mine = [
+        (index, op)
+        for index, op in enumerate(block.ops)
+        if op.type.removesuffix("_grad") in (*LOOKUPS, HASHED_LOOKUP) and op.input("W") == [table]
+    ]
     # Where rows are summed, each lookup hands its grad op the batch's ids, found once
     # (UniqueIds, UniqueIndex); not where two lookups read the same Ids (whose would they be?).
-    ids_of = [tuple(op.input("Ids")) for op in lookups]
+    ids_of = [tuple(op.input("Ids")) for _, op in mine if not op.type.endswith("_grad")]
     uniques = {
         ids: (f"{ids[0]}@{table}@UNIQUE_IDS", f"{ids[0]}@{table}@UNIQUE_INDEX")
         for ids in ids_of
@@ -189,10 +194,8 @@ def _prefetch(block: Block, table: str, blocks: list[Slice], trainer_id: int, op
     for names in uniques.values():
         for name in names:
             block.create_var(name, shape=(-1,), dtype=VarType.INT64)
-    for index, op in enumerate(list(block.ops)):
+    for index, op in mine:
         forward = op.type.removesuffix("_grad")
-        if forward not in (*LOOKUPS, HASHED_LOOKUP) or op.input("W") != [table]:
-            continue
         version = "lookup_table" if forward == HASHED_LOOKUP else forward
         own = attrs | {"padding_idx": op.attr("padding_idx"), "lookup_table_version": version}
         unique = uniques.get(tuple(op.input("Ids")))
