@@ -141,8 +141,9 @@ def test_sync_job_with_a_distributed_table_trains_exactly_like_local(rule, pserv
 def test_run_batches_asks_for_the_next_batchs_rows_with_the_step_and_trains_exactly_like_local(
     rule, pservers
 ):
-    """exe.run_batches tells each step the next batch: its rows are asked for behind the
-    step's barrier and the next step's prefetch sends nothing; training is unchanged."""
+    """exe.run_batches tells each step the next two batches: the first step asks for the
+    second's rows behind its barrier, every later step with it (its barrier's message
+    carries them), and no step after the first sends a prefetch; training is unchanged."""
     main, startup, loss = ctr_model(OPTIMIZERS[rule])
     job = Job(main, startup, pservers)
     try:
@@ -160,6 +161,10 @@ def test_run_batches_asks_for_the_next_batchs_rows_with_the_step_and_trains_exac
         assert 1 <= sent_by_step[0] <= pservers
         assert sent_by_step == [sent_by_step[0]] * len(feeds)
         assert counts["served_ahead"] >= len(feeds) - 1
+        # Steps 2..7 carried the rows of steps 3..8 on their barriers' messages.
+        blocks = job.plan.slices_of(TABLE)
+        owners = [sum(bool(np.any((f["ids"] >= b.offset) & (f["ids"] < b.offset + b.rows))) for b in blocks) for f in feeds[2:]]  # fmt: skip
+        assert counts["with_barrier"] == sum(owners)
     finally:
         job.close()
 
@@ -186,7 +191,11 @@ def test_two_tables_on_one_pserver_take_their_rows_from_one_prefetch_asked_ahead
         np.testing.assert_array_equal(got, [local.run(main, feed=f, fetch_list=[loss])[0] for f in feeds])
         for table in job.plan.distributed_tables():
             np.testing.assert_array_equal(job.table(table), local.scope[table])
-        assert job.exe.runtime.trainer.prefetches == {"served_ahead": 2 * (len(feeds) - 1), "sent": 2}
+        assert job.exe.runtime.trainer.prefetches == {
+            "served_ahead": 2 * (len(feeds) - 1),
+            "sent": 2,
+            "with_barrier": len(feeds) - 2,  # one message to the pserver carries both tables' rows
+        }
     finally:
         job.close()
 
@@ -422,7 +431,7 @@ def test_rows_asked_for_ahead_whose_answer_fails_are_given_up_once(net):
         trainer.begin_step()
         with pytest.raises(RemoteError, match="no rows for you"):
             trainer.prefetch([item], trainer_id=0)  # served ahead: its answer is the refusal
-        assert trainer.prefetches == {"served_ahead": 1, "sent": 0}
+        assert trainer.prefetches == {"served_ahead": 1, "sent": 0, "with_barrier": 0}
     finally:
         problems = runtime.close()
     assert not [p for p in problems if "did not answer" in p]
