@@ -200,6 +200,31 @@ def test_two_tables_on_one_pserver_take_their_rows_from_one_prefetch_asked_ahead
         job.close()
 
 
+def test_a_job_training_only_a_distributed_table_asks_for_rows_with_its_barriers():
+    """No parameters to GET: each step's barrier goes in a SEND of its own, and that SEND
+    carries the next rows, answered once the step is applied and taken by the next
+    step's lookups (no step waits for it before then)."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 3
+    with fluidps.program_guard(main, startup):
+        ids = layers.data("ids", [FIELDS], dtype="int64")
+        emb = layers.embedding_v2(ids, [ROWS, WIDTH], is_sparse=True, is_distributed=True)
+        loss = layers.mean(layers.square(emb))
+        optimizer.Adagrad(0.1).minimize(loss)
+    job = Job(main, startup, 2)
+    try:
+        assert "recv" not in {op.type for op in job.program.global_block().ops}
+        local = job.local_twin(main, startup)
+        feeds = [{"ids": f["ids"]} for f in batches(6, seed=5)]
+        got = [value for (value,) in job.exe.run_batches(job.program, feeds, [loss])]
+        np.testing.assert_array_equal(got, [local.run(main, feed=f, fetch_list=[loss])[0] for f in feeds])
+        job.exe.runtime.trainer.settle()  # the last step's SEND went without waiting (nothing to GET)
+        np.testing.assert_array_equal(job.table(), local.scope[TABLE])
+        assert job.exe.runtime.trainer.prefetches == {"served_ahead": 10, "sent": 2, "with_barrier": 8}
+    finally:
+        job.close()
+
+
 def test_rows_asked_for_a_next_batch_that_does_not_come_are_not_used():
     """A step told one next batch and followed by another: the rows asked for ahead do
     not match the prefetch, which asks again; bad ids in a next feed fail only the step
@@ -370,9 +395,15 @@ def test_a_pserver_refuses_bad_prefetches_naming_the_table_and_the_job_goes_on()
             (block0.name, np.array([1.0], np.float32), r"must carry 1-D int64 row indices"),
             ("fc_0.w_0", np.array([0], np.int64), r"holds no distributed table 'fc_0.w_0'"),
         ]
+        client = trainer.client(block0.endpoint)
         for name, rows, message in bad:
             with pytest.raises(RemoteError, match=rf"pserver {block0.endpoint}.*{message}"):
                 trainer.prefetch([(block0.endpoint, name, rows)], trainer_id=0)
+            # A SEND asking for them with its gradients (as a sync step's last one does).
+            with pytest.raises(RemoteError, match=rf"pserver {block0.endpoint}.*{message}"):
+                client.call(Message(Kind.SEND, trainer_id=0, step=1, prefetch={name: rows}))
+        with pytest.raises(RemoteError, match="asks for 'embedding_0.w_0.block0' both whole and by rows"):
+            client.call(Message(Kind.SEND, trainer_id=0, step=1, names=[block0.name], prefetch={block0.name: rows}))  # fmt: skip
         (got,) = trainer.prefetch([(block0.endpoint, block0.name, np.array([4, 2], np.int64))], trainer_id=0)
         np.testing.assert_array_equal(got, job.table()[[4, 2]])
         job.exe.run(job.program, feed=next(batches(1)), fetch_list=[loss])  # the job goes on
