@@ -61,8 +61,9 @@ PrefetchPlan = Callable[[Mapping[str, Any]], Sequence[Prefetch] | None]
 
 @dataclass
 class _Ahead:
-    """A PREFETCH sent behind a step's barrier, for the prefetches of the step after it
-    (one per lookup op: each takes its table blocks' rows from the one answer)."""
+    """Rows asked for with or behind a step's barrier (its SEND's prefetch, or a PREFETCH
+    of their own), for the prefetches of the step after it (one per lookup op: each
+    takes its table blocks' rows from the one answer)."""
 
     step: int  # the step whose prefetches it serves
     client: RpcClient

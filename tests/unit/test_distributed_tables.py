@@ -402,7 +402,7 @@ def test_a_pserver_refuses_bad_prefetches_naming_the_table_and_the_job_goes_on()
             # A SEND asking for them with its gradients (as a sync step's last one does).
             with pytest.raises(RemoteError, match=rf"pserver {block0.endpoint}.*{message}"):
                 client.call(Message(Kind.SEND, trainer_id=0, step=1, prefetch={name: rows}))
-        with pytest.raises(RemoteError, match="asks for 'embedding_0.w_0.block0' both whole and by rows"):
+        with pytest.raises(RemoteError, match=r"asks for 'embedding_0\.w_0\.block0' both whole and by rows"):
             client.call(Message(Kind.SEND, trainer_id=0, step=1, names=[block0.name], prefetch={block0.name: rows}))  # fmt: skip
         (got,) = trainer.prefetch([(block0.endpoint, block0.name, np.array([4, 2], np.int64))], trainer_id=0)
         np.testing.assert_array_equal(got, job.table()[[4, 2]])

@@ -130,7 +130,10 @@ def test_selected_rows_names_text_blobs_pending_round_trip():
 def test_a_send_asking_for_rows_keeps_them_apart_from_its_gradients():
     msg = Message(
         Kind.SEND,
-        tensors={"w@GRAD": np.ones(3, "float32"), "emb@GRAD": SelectedRows(np.array([2]), np.ones((1, 2)), 9)},
+        tensors={
+            "w@GRAD": np.ones(3, "float32"),
+            "emb@GRAD": SelectedRows(np.array([2]), np.ones((1, 2)), 9),
+        },
         names=["w"],
         barrier=True,
         prefetch={"emb.block0": np.array([7, 1, 3]), "emb.block1": np.zeros(0, "int64")},
@@ -284,7 +287,10 @@ def test_random_headers_decode_or_raise_wire_error(metas, blobs, frames):
         ([header(names=[""])], "a name must have 1 to"),
         ([header(meta(), prefetch=["v"]), b"\0" * 8], "prefetch 'v' names no tensor of the message"),
         ([header(meta(), prefetch=["w", "w"]), b"\0" * 8], "prefetch 'w' names no tensor"),
-        ([header(meta("e", dims=(1, 3), sparse=True, height=9), prefetch=["e"]), b"\0" * 8, b"\0" * 12], "or a sparse one"),
+        (
+            [header(meta("e", dims=(1, 3), sparse=True, height=9), prefetch=["e"]), b"\0" * 8, b"\0" * 12],
+            "or a sparse one",
+        ),
     ],
 )
 def test_malformed_messages_raise_wire_error(frames, match):
