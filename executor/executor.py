@@ -155,16 +155,11 @@ class PreparedProgram:
     # -- running -----------------------------------------------------------------------
 
     def run(
-        self,
-        scope: Scope,
-        feed: Mapping[str, Any],
-        return_numpy: bool,
-        next_feed: NextFeed = None,
-        feed_after_next: NextFeed = None,
+        self, scope: Scope, feed: Mapping[str, Any], return_numpy: bool, next_feed: NextFeed = None
     ) -> list[Any]:
         env: dict[str, Any] = {}
         if self.counts_steps and self.runtime is not None:
-            self.runtime.trainer.begin_step(self._next_feed(next_feed), self._next_feed(feed_after_next))
+            self.runtime.trainer.begin_step(self._next_feed(next_feed))
             if self.runtime.profile is not None:
                 self.runtime.profile.step()
         for name in self.scope_reads:
@@ -209,7 +204,7 @@ class PreparedProgram:
         return [_to_numpy(v) if return_numpy else v for v in results]
 
     def _next_feed(self, next_feed: NextFeed) -> Callable[[], Mapping[str, Any] | None] | None:
-        """What the trainer asks for a later step's feed: its variables no op computes."""
+        """What the trainer asks for the next step's feed: its variables no op computes."""
         if next_feed is None:
             return None
 
@@ -315,7 +310,6 @@ class Executor:
         return_numpy: bool = True,
         *,
         next_feed: NextFeed = None,
-        feed_after_next: NextFeed = None,
     ) -> list[Any]:
         """Run `program` once. Returns the fetched values in `fetch_list` order
         (or the program's own fetch ops' results when it has them and no
@@ -324,18 +318,13 @@ class Executor:
         `next_feed`, the feed of the step that runs next (or a function giving it when
         asked, None while not known), saves a sync trainer a round trip a step: it
         asks its pservers for the distributed-table rows of that batch together with
-        this step's parameters (see exe.run_batches). `feed_after_next`, the feed of
-        the step after that, saves it a message each way more: it works out that
-        batch's rows while this step waits, and the next step asks for them with its
-        gradients. Results are the same either way."""
+        this step's parameters (see exe.run_batches). Results are the same either way."""
         if not isinstance(program, Program):
             raise ProgramError("Executor.run needs a Program (fluidps has no default program)")
         feed = dict(feed or {})
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
         prepared = self.prepare(program, feed.keys(), fetch_names)
-        return prepared.run(
-            self.scope if scope is None else scope, feed, return_numpy, next_feed, feed_after_next
-        )
+        return prepared.run(self.scope if scope is None else scope, feed, return_numpy, next_feed)
 
     def run_batches(
         self,
@@ -347,15 +336,14 @@ class Executor:
     ) -> Iterator[list[Any]]:
         """Run `program` on each fed batch in turn, yielding each step's fetches, as
         RemoteExecutor.run_batches does. The results are those of run() on each batch;
-        a trainer of a sync job with distributed tables is also told the two batches
-        after each (run's `next_feed` and `feed_after_next`: a batch is taken from
-        `batches` two steps early), so that its rows come with the step before's
-        parameters: one message each way a step."""
+        a trainer of a sync job with distributed tables is also told each next batch
+        (run's `next_feed`: a batch is taken from `batches` one step early), so that
+        its rows come with the step before's parameters: one round trip a step."""
         end = object()
         it = iter(batches)
-        window = [next(it, end), next(it, end), next(it, end)]  # this step's feed and the two after it
-        while window[0] is not end:
-            feed, upcoming, later = window
+        feed = next(it, end)
+        while feed is not end:
+            upcoming = next(it, end)
             yield self.run(
                 program,
                 feed,
@@ -363,9 +351,8 @@ class Executor:
                 scope,
                 return_numpy,
                 next_feed=None if upcoming is end else upcoming,
-                feed_after_next=None if later is end else later,
             )
-            window = [upcoming, later, next(it, end) if later is not end else end]
+            feed = upcoming
 
     def prepare(self, program: Program, feed_names: Any, fetch_names: Sequence[str]) -> PreparedProgram:
         """The cached PreparedProgram for this program version and feed / fetch names."""

@@ -14,8 +14,8 @@ its values summed in batch order: the very sums the pserver would make, made on 
 trainer, so that a third of the bytes travel and the pserver has nothing to merge.
 Ids equal to padding_idx read zeros and get no gradient, as in lookup_table. In sync
 mode, when the next step's feed is known, each run also has the next batch's rows
-asked for behind this step's barrier, or with it (TrainerChannel.prefetch_next), so
-that the next run's prefetch costs no round trip.
+asked for behind this step's barrier (TrainerChannel.prefetch_next), so that the next
+run's prefetch costs no round trip.
 
 A hashed table (layers.sparse_embedding; `sharding` "id_hash") has no row blocks:
 shard k (`table_names[k]` on `endpoints[k]`) holds the ids i with mix64(i) mod K == k,
@@ -25,7 +25,6 @@ routes each shard's gradient rows with `shard_selected_rows`.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -209,8 +208,7 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
     width, dtype = int(declared.shape[-1]), to_numpy_dtype(declared.dtype)
     unique_name, index_name = op.output("UniqueIds"), op.output("UniqueIndex")
     trainer = op.runtime.trainer
-    # Plans of later steps, made when their rows were asked for ahead (a step or two early)
-    planned: deque[_Plan] = deque(maxlen=3)
+    planned: list[_Plan] = []  # the next step's plan, made when its rows were asked for ahead
 
     def plan(flat: np.ndarray) -> _Plan:
         wanted = flat[flat != spec.pad] if spec.has_pad else flat
@@ -228,13 +226,14 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
             checked = [spec.ids(feed, name) for name in ids_names]
         except ExecutionError:
             return None
-        planned.append(plan(_flat(checked)))
-        return planned[-1].items
+        planned[:] = [plan(_flat(checked))]
+        return planned[0].items
 
     def run(env: Env) -> None:
         checked = [spec.ids(env, name) for name in ids_names]
+        ahead = planned.pop() if planned else None
         flat = _flat(checked)
-        p = _take_plan(planned, flat) or plan(flat)
+        p = ahead if ahead is not None and np.array_equal(ahead.flat, flat) else plan(flat)
         rows = np.empty((len(p.unique), width), dtype=dtype)
         replies = trainer.prefetch(p.items, spec.trainer_id) if p.items else []
         for (_, where, _), (endpoint, name, asked), got in zip(p.groups, p.items, replies, strict=True):
@@ -260,16 +259,6 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
         trainer.prefetch_next(plan_next)  # sync mode: the next batch's rows come with this step's values
 
     return run
-
-
-def _take_plan(planned: deque[_Plan], flat: np.ndarray) -> _Plan | None:
-    """The plan made ahead for these ids, if one was, taken with those made before it."""
-    for i, p in enumerate(planned):
-        if np.array_equal(p.flat, flat):
-            for _ in range(i + 1):
-                planned.popleft()
-            return p
-    return None
 
 
 def _flat(checked: list[tuple[np.ndarray, tuple[int, ...]]]) -> np.ndarray:

@@ -6,9 +6,7 @@ applies gradients and says when a GET may be answered; GETs that may not be
 answered yet wait in `deferred`, and async SENDs whose gradients are not applied
 yet in `unapplied` (the optimize thread wakes the loop when it applies one). A
 PREFETCH (rows of a distributed table's block, by index) is a pull like a GET:
-checked, then answered when a GET would be. A SEND may carry one too (its
-`prefetch`): a sync trainer's last message of a step asks for the next batch's rows
-with the gradients, and the one reply holds the parameters and the rows.
+checked, then answered when a GET would be.
 
 Trainers are tracked by `Membership`: a trainer silent (no message, no
 keepalive) for the peer timeout is evicted in an elastic job and fails the job,
@@ -357,9 +355,6 @@ class ParameterServer:
             self.server.error(request, f"{self.name} owns no gradient named {', '.join(map(repr, unknown))}")
             return
         self._check_gettable(msg.names)
-        self._check_prefetch(msg.prefetch)
-        if both := sorted(set(msg.names) & set(msg.prefetch)):
-            raise ExecutionError(f"a SEND asks for {both[0]!r} both whole and by rows")
         wrong = [p for g, v in msg.tensors.items() if (p := self.grad_specs[g].problem(g, v)) is not None]
         if wrong:  # refused whole: nothing of it is stored or applied, and the step waits
             self.log(f"refused trainer {msg.trainer_id}'s SEND of its step {msg.step}: {'; '.join(wrong)}")
@@ -374,7 +369,7 @@ class ParameterServer:
         if applied is not None and not applied():
             self.unapplied.append((request, applied))  # (async: no barrier rides on it)
             return
-        if msg.names or msg.prefetch:
+        if msg.names:
             if msg.barrier:
                 self.strategy.on_barrier(msg.trainer_id, msg.step)
             self._pull(request)
@@ -471,14 +466,9 @@ class ParameterServer:
             raise ExecutionError(f"hashed table {hashed[0]!r} is read by id (PREFETCH), never whole")
 
     def _on_prefetch(self, request: Request) -> None:
-        self._check_prefetch(request.msg.tensors)
-        self._pull(request)
-
-    def _check_prefetch(self, asked: dict[str, Any]) -> None:
-        """Rows of distributed tables (a PREFETCH's tensors, a SEND's prefetch): each
-        names a table block here and holds int64 row indices into it; checked before
-        anything is read."""
-        for name, rows in asked.items():
+        """Rows of distributed tables: each tensor names a table block here and holds
+        int64 row indices into it; checked before anything is read."""
+        for name, rows in request.msg.tensors.items():
             if name not in self.tables:
                 held = ", ".join(sorted(self.tables)) or "none"
                 raise ExecutionError(
@@ -497,6 +487,7 @@ class ParameterServer:
                 raise ExecutionError(
                     f"row {int(rows[bad[0]])} asked of table block {name!r} is outside its {height} rows"
                 )
+        self._pull(request)
 
     def _pull(self, request: Request) -> None:
         if self._may_answer(request.msg):
@@ -513,8 +504,7 @@ class ParameterServer:
             values = {name: self.strategy.read_rows(name, rows) for name, rows in msg.tensors.items()}
         else:
             values = {name: self.strategy.read(name) for name in msg.names}
-            values.update((name, self.strategy.read_rows(name, rows)) for name, rows in msg.prefetch.items())
-            if msg.trainer_id >= 0 and msg.names:
+            if msg.trainer_id >= 0:
                 self.strategy.answered(msg.trainer_id)
         self.server.reply(request, Message(Kind.VALUES, tensors=values, step=self.strategy.steps))
 
@@ -523,7 +513,7 @@ class ParameterServer:
         for request, applied in sends:
             if not applied():
                 self.unapplied.append((request, applied))
-            elif request.msg.names or request.msg.prefetch:
+            elif request.msg.names:
                 self._pull(request)
             else:
                 self.server.reply(request)

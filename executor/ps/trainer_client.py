@@ -21,11 +21,6 @@ TrainerChannel). A step costs each pserver as few round trips as the program all
   once the step is applied, as it answers the GET, so the rows are those a prefetch at
   the start of the next step would read (nothing changes them until this trainer sends
   again); that prefetch, asking for exactly those rows, takes them without a message.
-- When the feed after that is known too (run's feed_after_next, run_batches, two RUNs
-  queued), the rows a step asks for ahead were worked out while it waited for the
-  step before, and they ride on the barrier's message itself (a SEND's `prefetch`):
-  the pserver answers parameters and rows in one reply, and the step costs one
-  message each way.
 
 It also keeps what async mode keeps between steps (the gradients summed for
 `send_interval`, the values pulled for `recv_interval`), so that preparing the
@@ -61,9 +56,8 @@ PrefetchPlan = Callable[[Mapping[str, Any]], Sequence[Prefetch] | None]
 
 @dataclass
 class _Ahead:
-    """Rows asked for with or behind a step's barrier (its SEND's prefetch, or a PREFETCH
-    of their own), for the prefetches of the step after it (one per lookup op: each
-    takes its table blocks' rows from the one answer)."""
+    """A PREFETCH sent behind a step's barrier, for the prefetches of the step after it
+    (one per lookup op: each takes its table blocks' rows from the one answer)."""
 
     step: int  # the step whose prefetches it serves
     client: RpcClient
@@ -108,14 +102,10 @@ class TrainerClient:
         self._downloaded: dict[tuple, list[Any]] = {}
         # Rows of the next step's batch, asked for behind this step's barrier (see the module doc)
         self._next_feed: Callable[[], Mapping[str, Any] | None] | None = None
-        self._after_next: Callable[[], Mapping[str, Any] | None] | None = None
         self._plans: list[PrefetchPlan] = []
         self._ahead: dict[str, _Ahead] = {}
-        # The rows a later step will look up, per pserver, worked out while waiting: (that step, rows)
-        self._planned: tuple[int, dict[str, dict[str, np.ndarray]]] | None = None
-        # Prefetches (one per pserver) served by rows asked for ahead, and sent as messages;
-        # of those asked for ahead, how many rode on a step's barrier message
-        self.prefetches = {"served_ahead": 0, "sent": 0, "with_barrier": 0}
+        # Prefetches (one per pserver) served by rows asked for ahead, and sent as messages
+        self.prefetches = {"served_ahead": 0, "sent": 0}
 
     def client(self, endpoint: str, trainer_id: int = -1) -> RpcClient:
         if endpoint not in self._clients:
@@ -136,23 +126,16 @@ class TrainerClient:
                 self._keepalive.add(endpoint)
         return self._clients[endpoint]
 
-    def begin_step(
-        self,
-        next_feed: Callable[[], Mapping[str, Any] | None] | None = None,
-        after_next: Callable[[], Mapping[str, Any] | None] | None = None,
-    ) -> None:
+    def begin_step(self, next_feed: Callable[[], Mapping[str, Any] | None] | None = None) -> None:
         """A step starts: what the last one sent without waiting is acknowledged first, so
         that at most a step's worth of messages is ever unacknowledged. `next_feed` gives
-        the feed of the step after this one, when asked (None: not known yet), and
-        `after_next` the feed of the step after that."""
+        the feed of the step after this one, when asked (None: not known yet)."""
         self.settle()
         self.step += 1
         self._paused = False  # what this step sends resumes it
-        self._next_feed, self._after_next, self._plans = next_feed, after_next, []
+        self._next_feed, self._plans = next_feed, []
         for endpoint in [ep for ep, a in self._ahead.items() if a.step < self.step]:
             self._drop_ahead(endpoint)  # asked for a step that did not look them up
-        if self._planned is not None and self._planned[0] <= self.step:
-            self._planned = None
 
     def end_step(self) -> None:
         """The step's program is done: what it still holds goes now (not waited for)."""
@@ -394,41 +377,20 @@ class TrainerClient:
         goes too, and the replies come back once those and every earlier request are in."""
         if wait:
             self._flush([ep for ep in self._held if ep not in requests])
-        barriers = [ep for ep, msg in requests.items() if msg.barrier]
-        carried = self._carry_planned(requests, barriers)
         issued = {}
         for endpoint, msg in requests.items():
             client = self.client(endpoint, trainer_id)
             issued[endpoint] = (client, client.request(msg))
-        for endpoint in carried:  # the next step's prefetch takes (and waits for) their replies
-            self._drop_ahead(endpoint)
-            client, rid = issued[endpoint]
-            self._ahead[endpoint] = _Ahead(self.step + 1, client, rid, requests[endpoint].prefetch)
-        if self._plans and barriers:
+        if self._plans and any(msg.barrier for msg in requests.values()):
             # Asked now, while the pservers apply the step: each is answered right after the GET.
-            self._ask_ahead([ep for ep in barriers if ep not in carried], trainer_id)
+            self._ask_ahead([ep for ep, msg in requests.items() if msg.barrier], trainer_id)
         if not wait:
-            self._unsettled += [pending for ep, pending in issued.items() if ep not in carried]
+            self._unsettled += issued.values()
             return {}
         settle = {("earlier", i): pending for i, pending in enumerate(self._unsettled)}
         self._unsettled = []
         replies = wait_all({**settle, **issued})
-        for endpoint in carried:
-            self._ahead[endpoint].reply = replies[endpoint]
         return {endpoint: replies[endpoint] for endpoint in issued}
-
-    def _carry_planned(self, requests: dict[str, Message], barriers: list[str]) -> list[str]:
-        """Put the next step's rows, worked out while the last step waited, on this step's
-        barrier messages (`barriers`); the pservers whose messages now carry some."""
-        if self._planned is None or self._planned[0] != self.step + 1:
-            return []
-        _, planned = self._planned
-        self._planned = None
-        carried = [ep for ep in barriers if planned.get(ep)]
-        for endpoint in carried:
-            requests[endpoint].prefetch = planned[endpoint]
-        self.prefetches["with_barrier"] += len(carried)
-        return carried
 
     def _pull(self, items: Sequence[Pull], trainer_id: int) -> list[Any]:
         requests: dict[str, Message] = {}
@@ -449,21 +411,25 @@ class TrainerClient:
 
     def _ask_ahead(self, endpoints: list[str], trainer_id: int) -> None:
         """Send the PREFETCH of the next step's rows to each of `endpoints` that owns some
-        (they were just sent this step's barrier, without those rows); then, while the
-        pservers apply the step, work out the rows of the step after, for the next
-        barrier to carry. Once a step: the plans are spent."""
+        (they were just sent this step's barrier). Once a step: the plans are spent."""
         plans, self._plans = self._plans, []
-        feed = self._next_feed() if self._next_feed is not None and endpoints else None
-        wanted = _wanted(plans, feed) if feed else {}
+        feed = self._next_feed() if self._next_feed is not None else None
+        if not feed:
+            return
+        wanted: dict[str, dict[str, np.ndarray]] = {}
+        clashes = set()  # two lookups of one table block (not asked ahead: one of them would miss)
+        for plan in plans:
+            for endpoint, name, rows in plan(feed) or ():
+                asked = wanted.setdefault(endpoint, {})
+                if name in asked:
+                    clashes.add(endpoint)
+                asked[name] = rows
         for endpoint in endpoints:
-            if wanted.get(endpoint):
+            if wanted.get(endpoint) and endpoint not in clashes:
                 self._drop_ahead(endpoint)
                 msg = Message(Kind.PREFETCH, trainer_id=trainer_id, step=self.step, tensors=wanted[endpoint])
                 client = self.client(endpoint, trainer_id)
                 self._ahead[endpoint] = _Ahead(self.step + 1, client, client.request(msg), wanted[endpoint])
-        later = self._after_next() if self._after_next is not None else None
-        if later:
-            self._planned = (self.step + 2, _wanted(plans, later))
 
     def _drop_ahead(self, endpoint: str) -> None:
         """Rows asked for ahead that no prefetch will take: an answer not received yet is
@@ -525,20 +491,6 @@ class TrainerClient:
             self._keepalive.close()
             self._keepalive = None
         return problems
-
-
-def _wanted(plans: list[PrefetchPlan], feed: Mapping[str, Any]) -> dict[str, dict[str, np.ndarray]]:
-    """Per pserver, the rows (table block -> row indices) the lookups of `plans` will ask
-    for on `feed`; none of a pserver two lookups ask for one block of (one would miss)."""
-    wanted: dict[str, dict[str, np.ndarray]] = {}
-    clashes = set()
-    for plan in plans:
-        for endpoint, name, rows in plan(feed) or ():
-            asked = wanted.setdefault(endpoint, {})
-            if name in asked:
-                clashes.add(endpoint)
-            asked[name] = rows
-    return {endpoint: rows for endpoint, rows in wanted.items() if endpoint not in clashes}
 
 
 def _nbytes(value: Any) -> int:

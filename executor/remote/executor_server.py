@@ -15,7 +15,6 @@ the runs queued behind it are answered with that failure, not run.
 
 from __future__ import annotations
 
-import itertools
 import json
 import queue
 import threading
@@ -270,8 +269,7 @@ class ExecutorServer:
                 self.programs[msg.text],
                 feed=msg.tensors,
                 fetch_list=msg.names,
-                next_feed=lambda: self._queued_feed(msg, 0),
-                feed_after_next=lambda: self._queued_feed(msg, 1),
+                next_feed=lambda: self._next_feed(msg),
             )
         except NoDataYet:
             # No batch for this trainer now: it takes part in the step without gradients
@@ -299,14 +297,12 @@ class ExecutorServer:
             "samples": readers.samples_read() if readers is not None else None,
         }
 
-    def _queued_feed(self, msg: Message, at: int) -> dict[str, Any] | None:
-        """The feed of the RUN queued `at` places after the one after `msg` (0: the next),
-        if that one and those before it run the same program (the step's trainer asks
-        its pservers for those batches' table rows ahead)."""
+    def _next_feed(self, msg: Message) -> dict[str, Any] | None:
+        """The feed of the RUN queued after `msg`, if one is and runs the same program (the
+        step's trainer asks its pservers for that batch's table rows ahead)."""
         with self._runs.mutex:  # a peek: the loop thread may be queueing
-            queued = list(itertools.islice(self._runs.queue, at + 1))
-        same = len(queued) == at + 1 and all(run.msg.text == msg.text for run in queued)
-        return queued[at].msg.tensors if same else None
+            after = self._runs.queue[0] if self._runs.queue else None
+        return after.msg.tensors if after is not None and after.msg.text == msg.text else None
 
     def _answer_finished(self) -> None:
         while self._finished:

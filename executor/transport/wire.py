@@ -66,8 +66,6 @@ class Message:
     sender: int = 0  # the sending process's incarnation (0: not said)
     barrier: bool = False  # SEND: also the trainer's send barrier of its step
     replaces: int = 0  # a trainer's messages: the incarnation of its id it replaces (0: none)
-    # SEND: table block -> int64 row indices, asked for with the gradients (see wire.proto)
-    prefetch: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def kind_name(self) -> str:
@@ -108,7 +106,7 @@ def encode(msg: Message) -> list[Any]:
     if msg.replaces:
         header.replaces = msg.replaces
     frames: list[Any] = []
-    for name, value in [*msg.tensors.items(), *msg.prefetch.items()]:
+    for name, value in msg.tensors.items():
         meta = header.tensors.add(name=name)
         if isinstance(value, SelectedRows):
             meta.sparse = True
@@ -122,7 +120,6 @@ def encode(msg: Message) -> list[Any]:
             meta.dims.extend(array.shape)
             frames.append(_frame(array))
     header.names.extend(msg.names)
-    header.prefetch.extend(msg.prefetch)
     header.text = msg.text
     header.blobs = len(msg.blobs)
     header.pending.extend(msg.pending)
@@ -172,12 +169,6 @@ def decode(frames: list[Any]) -> Message:
             raise WireError(f"tensor {name!r}: its data frames are missing")
         tensors[name] = _tensor(meta, name, frames[index : index + needed])
         index += needed
-    prefetch = {}
-    for name in header.prefetch:
-        rows = tensors.pop(name, None)
-        if not isinstance(rows, np.ndarray) or name in prefetch:
-            raise WireError(f"prefetch {name!r} names no tensor of the message, or a sparse one, or twice")
-        prefetch[name] = rows
     blobs = [bytes(_buffer(f)) for f in frames[index : index + header.blobs]]
     if index + header.blobs != len(frames):
         raise WireError(f"the header describes {index + header.blobs} frames, the message has {len(frames)}")
@@ -195,7 +186,6 @@ def decode(frames: list[Any]) -> Message:
         sender=header.sender,
         barrier=header.barrier,
         replaces=header.replaces,
-        prefetch=prefetch,
     )
 
 

@@ -141,9 +141,8 @@ def test_sync_job_with_a_distributed_table_trains_exactly_like_local(rule, pserv
 def test_run_batches_asks_for_the_next_batchs_rows_with_the_step_and_trains_exactly_like_local(
     rule, pservers
 ):
-    """exe.run_batches tells each step the next two batches: the first step asks for the
-    second's rows behind its barrier, every later step with it (its barrier's message
-    carries them), and no step after the first sends a prefetch; training is unchanged."""
+    """exe.run_batches tells each step the next batch: its rows are asked for behind the
+    step's barrier and the next step's prefetch sends nothing; training is unchanged."""
     main, startup, loss = ctr_model(OPTIMIZERS[rule])
     job = Job(main, startup, pservers)
     try:
@@ -161,10 +160,6 @@ def test_run_batches_asks_for_the_next_batchs_rows_with_the_step_and_trains_exac
         assert 1 <= sent_by_step[0] <= pservers
         assert sent_by_step == [sent_by_step[0]] * len(feeds)
         assert counts["served_ahead"] >= len(feeds) - 1
-        # Steps 2..7 carried the rows of steps 3..8 on their barriers' messages.
-        blocks = job.plan.slices_of(TABLE)
-        owners = [sum(bool(np.any((f["ids"] >= b.offset) & (f["ids"] < b.offset + b.rows))) for b in blocks) for f in feeds[2:]]  # fmt: skip
-        assert counts["with_barrier"] == sum(owners)
     finally:
         job.close()
 
@@ -191,36 +186,7 @@ def test_two_tables_on_one_pserver_take_their_rows_from_one_prefetch_asked_ahead
         np.testing.assert_array_equal(got, [local.run(main, feed=f, fetch_list=[loss])[0] for f in feeds])
         for table in job.plan.distributed_tables():
             np.testing.assert_array_equal(job.table(table), local.scope[table])
-        assert job.exe.runtime.trainer.prefetches == {
-            "served_ahead": 2 * (len(feeds) - 1),
-            "sent": 2,
-            "with_barrier": len(feeds) - 2,  # one message to the pserver carries both tables' rows
-        }
-    finally:
-        job.close()
-
-
-def test_a_job_training_only_a_distributed_table_asks_for_rows_with_its_barriers():
-    """No parameters to GET: each step's barrier goes in a SEND of its own, and that SEND
-    carries the next rows, answered once the step is applied and taken by the next
-    step's lookups (no step waits for it before then)."""
-    main, startup = fluidps.Program(), fluidps.Program()
-    startup.random_seed = 3
-    with fluidps.program_guard(main, startup):
-        ids = layers.data("ids", [FIELDS], dtype="int64")
-        emb = layers.embedding_v2(ids, [ROWS, WIDTH], is_sparse=True, is_distributed=True)
-        loss = layers.mean(layers.square(emb))
-        optimizer.Adagrad(0.1).minimize(loss)
-    job = Job(main, startup, 2)
-    try:
-        assert "recv" not in {op.type for op in job.program.global_block().ops}
-        local = job.local_twin(main, startup)
-        feeds = [{"ids": f["ids"]} for f in batches(6, seed=5)]
-        got = [value for (value,) in job.exe.run_batches(job.program, feeds, [loss])]
-        np.testing.assert_array_equal(got, [local.run(main, feed=f, fetch_list=[loss])[0] for f in feeds])
-        job.exe.runtime.trainer.settle()  # the last step's SEND went without waiting (nothing to GET)
-        np.testing.assert_array_equal(job.table(), local.scope[TABLE])
-        assert job.exe.runtime.trainer.prefetches == {"served_ahead": 10, "sent": 2, "with_barrier": 8}
+        assert job.exe.runtime.trainer.prefetches == {"served_ahead": 2 * (len(feeds) - 1), "sent": 2}
     finally:
         job.close()
 
@@ -395,15 +361,9 @@ def test_a_pserver_refuses_bad_prefetches_naming_the_table_and_the_job_goes_on()
             (block0.name, np.array([1.0], np.float32), r"must carry 1-D int64 row indices"),
             ("fc_0.w_0", np.array([0], np.int64), r"holds no distributed table 'fc_0.w_0'"),
         ]
-        client = trainer.client(block0.endpoint)
         for name, rows, message in bad:
             with pytest.raises(RemoteError, match=rf"pserver {block0.endpoint}.*{message}"):
                 trainer.prefetch([(block0.endpoint, name, rows)], trainer_id=0)
-            # A SEND asking for them with its gradients (as a sync step's last one does).
-            with pytest.raises(RemoteError, match=rf"pserver {block0.endpoint}.*{message}"):
-                client.call(Message(Kind.SEND, trainer_id=0, step=1, prefetch={name: rows}))
-        with pytest.raises(RemoteError, match=r"asks for 'embedding_0\.w_0\.block0' both whole and by rows"):
-            client.call(Message(Kind.SEND, trainer_id=0, step=1, names=[block0.name], prefetch={block0.name: rows}))  # fmt: skip
         (got,) = trainer.prefetch([(block0.endpoint, block0.name, np.array([4, 2], np.int64))], trainer_id=0)
         np.testing.assert_array_equal(got, job.table()[[4, 2]])
         job.exe.run(job.program, feed=next(batches(1)), fetch_list=[loss])  # the job goes on
@@ -462,7 +422,7 @@ def test_rows_asked_for_ahead_whose_answer_fails_are_given_up_once(net):
         trainer.begin_step()
         with pytest.raises(RemoteError, match="no rows for you"):
             trainer.prefetch([item], trainer_id=0)  # served ahead: its answer is the refusal
-        assert trainer.prefetches == {"served_ahead": 1, "sent": 0, "with_barrier": 0}
+        assert trainer.prefetches == {"served_ahead": 1, "sent": 0}
     finally:
         problems = runtime.close()
     assert not [p for p in problems if "did not answer" in p]

@@ -46,7 +46,7 @@ def test_run_startup_then_main_fetch_by_variable_and_name():
     np.testing.assert_allclose(by_name, feed["x"] @ w, rtol=1e-6)
 
 
-def test_run_batches_yields_what_run_gives_each_batch_taking_each_batch_two_steps_early():
+def test_run_batches_yields_what_run_gives_each_batch_taking_each_batch_one_step_early():
     main, startup, _x, out = _linear()
     exe = fluidps.Executor()
     exe.run(startup)
@@ -60,7 +60,7 @@ def test_run_batches_yields_what_run_gives_each_batch_taking_each_batch_two_step
 
     steps = exe.run_batches(main, batches(), [out])
     first = next(steps)
-    assert taken == [0, 1, 2]  # the next two batches are known while the first runs
+    assert taken == [0, 1]  # the next batch is known while the first runs
     got = [first, *steps]
     assert len(got) == 3
     for feed, (value,) in zip(feeds, got, strict=True):

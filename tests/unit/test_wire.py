@@ -58,9 +58,6 @@ def assert_same(got: Message, want: Message) -> None:
     assert list(got.tensors) == list(want.tensors)
     for name, value in want.tensors.items():
         assert_same_tensor(got.tensors[name], value)
-    assert list(got.prefetch) == list(want.prefetch)
-    for name, value in want.prefetch.items():
-        assert_same_tensor(got.prefetch[name], value)
 
 
 def header(*tensors: pb.TensorMeta, kind: int = Kind.SEND, **fields) -> bytes:
@@ -125,22 +122,6 @@ def test_selected_rows_names_text_blobs_pending_round_trip():
     got = roundtrip(msg)
     assert_same(got, msg)
     assert len(encode(msg)) == 1 + 1 + 2 + 2 + 2
-
-
-def test_a_send_asking_for_rows_keeps_them_apart_from_its_gradients():
-    msg = Message(
-        Kind.SEND,
-        tensors={
-            "w@GRAD": np.ones(3, "float32"),
-            "emb@GRAD": SelectedRows(np.array([2]), np.ones((1, 2)), 9),
-        },
-        names=["w"],
-        barrier=True,
-        prefetch={"emb.block0": np.array([7, 1, 3]), "emb.block1": np.zeros(0, "int64")},
-    )
-    got = roundtrip(msg)
-    assert_same(got, msg)
-    assert got.barrier and len(encode(msg)) == 1 + 1 + 2 + 2
 
 
 def test_encode_refuses_dtypes_outside_the_allow_list():
@@ -285,12 +266,6 @@ def test_random_headers_decode_or_raise_wire_error(metas, blobs, frames):
         ([header(meta(name="")), b"\0" * 8], "a tensor name must have 1 to"),
         ([header(meta(name="n" * 2000)), b"\0" * 8], "a tensor name must have 1 to"),
         ([header(names=[""])], "a name must have 1 to"),
-        ([header(meta(), prefetch=["v"]), b"\0" * 8], "prefetch 'v' names no tensor of the message"),
-        ([header(meta(), prefetch=["w", "w"]), b"\0" * 8], "prefetch 'w' names no tensor"),
-        (
-            [header(meta("e", dims=(1, 3), sparse=True, height=9), prefetch=["e"]), b"\0" * 8, b"\0" * 12],
-            "or a sparse one",
-        ),
     ],
 )
 def test_malformed_messages_raise_wire_error(frames, match):
