@@ -191,6 +191,31 @@ def test_two_tables_on_one_pserver_take_their_rows_from_one_prefetch_asked_ahead
         job.close()
 
 
+def test_a_job_training_only_a_distributed_table_asks_for_rows_behind_its_barriers():
+    """No parameters to GET: each step's barrier goes in a SEND of its own, answered at
+    once; the PREFETCH behind it is answered once the step is applied, and taken by the
+    next step's lookups."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 3
+    with fluidps.program_guard(main, startup):
+        ids = layers.data("ids", [FIELDS], dtype="int64")
+        emb = layers.embedding_v2(ids, [ROWS, WIDTH], is_sparse=True, is_distributed=True)
+        loss = layers.mean(layers.square(emb))
+        optimizer.Adagrad(0.1).minimize(loss)
+    job = Job(main, startup, 2)
+    try:
+        assert "recv" not in {op.type for op in job.program.global_block().ops}
+        local = job.local_twin(main, startup)
+        feeds = [{"ids": f["ids"]} for f in batches(6, seed=5)]
+        got = [value for (value,) in job.exe.run_batches(job.program, feeds, [loss])]
+        np.testing.assert_array_equal(got, [local.run(main, feed=f, fetch_list=[loss])[0] for f in feeds])
+        job.exe.runtime.trainer.settle()  # the last step's SEND went without waiting (nothing to GET)
+        np.testing.assert_array_equal(job.table(), local.scope[TABLE])
+        assert job.exe.runtime.trainer.prefetches == {"served_ahead": 10, "sent": 2}
+    finally:
+        job.close()
+
+
 def test_rows_asked_for_a_next_batch_that_does_not_come_are_not_used():
     """A step told one next batch and followed by another: the rows asked for ahead do
     not match the prefetch, which asks again; bad ids in a next feed fail only the step
