@@ -23,7 +23,8 @@ includes the deploy and the numba compiles):
 each as a RemoteExecutor job of 1x1, 2x1 and 2x2 trainers x pservers in sync,
 async and async+communicator mode (DistributeTranspilerConfig.communicator) (every `fluidps serve` process on 127.0.0.1; the global batch
 is split across the trainers; exe.run_batches keeps `--prefetch-batches` steps in
-flight, 2 by default, 1 for one exe.run at a time), and the same jobs the Fluid way
+flight, 8 by default, 1 for one exe.run at a time, `--batches-per-run` of them to a
+RUN message, 4 by default), and the same jobs the Fluid way
 (runner "fluidps launch": bench/launched.py in every process, each trainer feeding
 itself its rows of each batch, no client; `--runners` picks, and `--runners
 launch-bound` runs them with `fluidps launch --bind-cores`), next to fluidps.Executor on the same programs
@@ -151,7 +152,8 @@ def run_local(w: Workload, repeats: int, warmup: int, compiled: bool) -> tuple[f
 @dataclass(frozen=True)
 class JobOptions:
     profile: bool = False  # each process's breakdown per step in the row
-    prefetch_batches: int = 2  # steps in flight (JobDesc.prefetch_batches; 1: one at a time)
+    prefetch_batches: int = 8  # steps in flight (JobDesc.prefetch_batches; 1: one at a time)
+    batches_per_run: int = 4  # batches a RUN message carries (JobDesc.batches_per_run)
     runners: tuple[str, ...] = ("RemoteExecutor",)  # and/or "launch": bench/launched.py under fluidps launch
     compiled: bool = False  # every process's Executor compiles (fluidps.executor.compiler)
 
@@ -169,6 +171,7 @@ def run_job(
         config=job_config(mode),
         profile=options.profile,
         prefetch_batches=options.prefetch_batches,
+        batches_per_run=options.batches_per_run,
         compile=options.compiled,
     )
     start = time.perf_counter()
@@ -202,6 +205,7 @@ def run_job(
     batch = len(next(iter(w.batches[0].values())))
     fields = {
         "prefetch_batches": options.prefetch_batches,
+        "batches_per_run": options.batches_per_run,
         "steps": w.steps * repeats,
         "warmup_steps": 1 + warmup,
         "loss": round(float(last[0]), 4),
@@ -448,6 +452,12 @@ def main(argv: list[str] | None = None) -> None:
         help="steps each job keeps in flight (JobDesc.prefetch_batches; 1: one at a time)",
     )
     parser.add_argument(
+        "--batches-per-run",
+        type=int,
+        default=fluidps.JobDesc().batches_per_run,
+        help="batches each RUN message carries to a trainer (JobDesc.batches_per_run; 1: a message a step)",
+    )
+    parser.add_argument(
         "--runners",
         default="RemoteExecutor,launch",
         help="how jobs run: RemoteExecutor (this process is the client), launch "
@@ -468,7 +478,8 @@ def main(argv: list[str] | None = None) -> None:
     if not executors or not set(executors) <= {"interpreted", "compiled"}:
         raise SystemExit(f"--executors: interpreted and/or compiled, got {args.executors!r}")
     all_options = [
-        JobOptions(args.profile, args.prefetch_batches, runners, e == "compiled") for e in executors
+        JobOptions(args.profile, args.prefetch_batches, args.batches_per_run, runners, e == "compiled")
+        for e in executors
     ]
     # warm-up steps: past the step where blocks compile (its first windows are not timed)
     repeats, warmup, scale = args.repeats, COMPILE_AFTER + 2, args.scale

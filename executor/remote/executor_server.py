@@ -9,8 +9,11 @@ Runs execute in order on one worker thread, so that the serving loop keeps
 answering heartbeats while a step (or the first numba compilation) takes its
 time. A client may send the next RUNs before the current one is answered (a
 RemoteExecutor prefetching fed batches): they wait in a queue, and the worker
-goes from one to the next without a round trip to the client. Once a run fails,
-the runs queued behind it are answered with that failure, not run.
+goes from one to the next without a round trip to the client. A RUN may carry
+several batches (Message.batches): they run one after another as so many steps,
+and one reply carries each one's fetches, so that the client and this server's
+loop pay for one message, not one a step. Once a run fails, the runs queued
+behind it are answered with that failure, not run.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class ExecutorServer:
         self._finished: deque[_Finished] = deque()  # the worker's results, for the loop to answer
         self._unanswered = 0  # RUNs received and not answered yet
         self._most_unanswered = 0  # the most RUNs it ever held at once (a client's prefetch)
+        self._ran: dict[str, tuple[int, int]] = {}  # program -> (RUNs run through, their batches)
         self._stale = False  # values changed on the pservers: pull them before the next run
         self._background: threading.Thread | None = None
         self._background_error: str | None = None
@@ -183,6 +187,7 @@ class ExecutorServer:
             print(f"{self.name}: on reset: {'; '.join(problems)}", flush=True)
         self.exe = Executor(runtime_config=self.config, compile=self.compile)
         self.programs.clear()
+        self._ran = {}
         self._stale = False
         self._background, self._background_error = None, None
 
@@ -218,6 +223,9 @@ class ExecutorServer:
             "pservers": servers,
             "rss_bytes": resident_bytes(),
             "most_runs_held": self._most_unanswered,
+            "ran": {
+                name: {"runs": runs, "batches": batches} for name, (runs, batches) in dict(self._ran).items()
+            },
             "compiled_ops": self.exe.compiled_ops(),  # 0 when its executor interprets
             # distributed-table prefetches served by rows asked for ahead, and sent as messages
             **(
@@ -264,26 +272,34 @@ class ExecutorServer:
         if self._stale and msg.text != REFRESH:
             self.exe.run(self.programs[REFRESH])
             self._stale = False
-        try:
-            values = self.exe.run(
-                self.programs[msg.text],
-                feed=msg.tensors,
-                fetch_list=msg.names,
-                next_feed=lambda: self._next_feed(msg),
-            )
-        except NoDataYet:
-            # No batch for this trainer now: it takes part in the step without gradients
-            # (nobody waits for it) and pulls the parameters as the others do.
-            self.exe.runtime.trainer.skip_step()
-            if REFRESH in self.programs:
-                self.exe.run(self.programs[REFRESH])
-            return {"no_task": "wait"}
-        except EOFException:
-            # Done reading: no barrier or SSP bound of a trainer still in its last step may
-            # wait for this one. It pauses (the pservers keep serving the client, who may
-            # read the trained values) and says it is done when the job closes.
-            self.exe.runtime.trainer.pause()
-            return {"no_task": "finished"}
+        program = self.programs[msg.text]
+        feeds = msg.batches or [msg.tensors]
+        fetched = []
+        for i, feed in enumerate(feeds):
+            # Each step is told the batch after it: this RUN's next, or the first of the RUN queued next.
+            after = feeds[i + 1] if i + 1 < len(feeds) else None
+            try:
+                values = self.exe.run(
+                    program,
+                    feed=feed,
+                    fetch_list=msg.names,
+                    next_feed=(lambda after=after: after)
+                    if after is not None
+                    else lambda: self._next_feed(msg),
+                )
+            except (NoDataYet, EOFException) as e:
+                if msg.batches:
+                    raise Error(
+                        f"program {msg.text!r} reads a dataset: run it one batch a RUN, not {len(feeds)}"
+                    ) from None
+                return self._no_data(e)
+            except Error as e:
+                if not msg.batches:
+                    raise
+                raise Error(f"batch {i + 1} of the {len(feeds)} this RUN carried: {e}") from None
+            fetched.append(dict(zip(msg.names, values, strict=True)))
+        runs, batches = self._ran.get(msg.text, (0, 0))
+        self._ran[msg.text] = (runs + 1, batches + len(fetched))
         runtime = self.exe.runtime if self.exe.has_runtime else None
         if runtime is not None and runtime.has_trainer and self._runs.empty():
             # Nothing queued behind this step: what it sent without waiting (a step with
@@ -291,18 +307,34 @@ class ExecutorServer:
             # acknowledged before the client hears it is done, so that whatever the
             # client reads from the pservers next includes this step.
             runtime.trainer.settle()
+        if msg.batches:
+            return {"batches": fetched}
         readers = runtime.readers if runtime is not None and runtime.has_readers else None
-        return {
-            "values": dict(zip(msg.names, values, strict=True)),
-            "samples": readers.samples_read() if readers is not None else None,
-        }
+        return {"values": fetched[0], "samples": readers.samples_read() if readers is not None else None}
+
+    def _no_data(self, reason: NoDataYet | EOFException) -> dict[str, Any]:
+        """A reader with no batch for this step (NoDataYet), or done for good (EOFException)."""
+        if isinstance(reason, NoDataYet):
+            # No batch for this trainer now: it takes part in the step without gradients
+            # (nobody waits for it) and pulls the parameters as the others do.
+            self.exe.runtime.trainer.skip_step()
+            if REFRESH in self.programs:
+                self.exe.run(self.programs[REFRESH])
+            return {"no_task": "wait"}
+        # Done reading: no barrier or SSP bound of a trainer still in its last step may
+        # wait for this one. It pauses (the pservers keep serving the client, who may
+        # read the trained values) and says it is done when the job closes.
+        self.exe.runtime.trainer.pause()
+        return {"no_task": "finished"}
 
     def _next_feed(self, msg: Message) -> dict[str, Any] | None:
-        """The feed of the RUN queued after `msg`, if one is and runs the same program (the
-        step's trainer asks its pservers for that batch's table rows ahead)."""
+        """The (first) feed of the RUN queued after `msg`, if one is and runs the same
+        program (the step's trainer asks its pservers for that batch's table rows ahead)."""
         with self._runs.mutex:  # a peek: the loop thread may be queueing
             after = self._runs.queue[0] if self._runs.queue else None
-        return after.msg.tensors if after is not None and after.msg.text == msg.text else None
+        if after is None or after.msg.text != msg.text:
+            return None
+        return after.msg.batches[0] if after.msg.batches else after.msg.tensors
 
     def _answer_finished(self) -> None:
         while self._finished:
@@ -313,6 +345,8 @@ class ExecutorServer:
                 self.server.error(done.request, f"{self.name}: {result['error']}")
             elif "no_task" in result:  # a reader with nothing for this step, or done for good
                 self.server.reply(done.request, Message(Kind.NO_TASK, text=result["no_task"]))
+            elif "batches" in result:  # a RUN of several batches: each one's fetches
+                self.server.reply(done.request, Message(Kind.VALUES, batches=result["batches"]))
             else:
                 samples = result.get("samples")
                 text = json.dumps({"samples": samples}) if samples is not None else ""

@@ -27,7 +27,8 @@ class JobDesc:
     starts record where their time goes (`fluidps serve --profile`), and so does this
     client; RemoteExecutor.profile() collects it. `prefetch_batches`: how many steps
     RemoteExecutor.run_batches keeps in flight (1: a step is sent once the one before
-    it is answered). `compile`: the servers it starts run their programs as numba-compiled
+    it is answered); `batches_per_run`: how many of them go to a trainer in one RUN
+    message (at most half of prefetch_batches). `compile`: the servers it starts run their programs as numba-compiled
     segments (fluidps.Executor(compile=True); a pserver's optimize blocks too), or
     interpreted; None: as FLUIDPS_COMPILE says in their environment (inherited from this
     process; compiled unless it says 0). Servers someone else runs decide for themselves
@@ -55,10 +56,12 @@ class JobDesc:
     start_timeout: float = 120.0
     log_dir: str | None = None
     profile: bool = False  # every process records where its time goes: exe.profile()
-    # Steps run_batches keeps in flight. 3: a trainer ending a step already holds the batch
-    # after next's RUN as well as the next one's, so it knows the next batch however late this
-    # process is in sending the following one (its table rows come with the step's values).
-    prefetch_batches: int = 3
+    # Steps run_batches keeps in flight, in RUN messages of up to batches_per_run batches: a
+    # trainer ending a message's steps already holds the next message, so it goes on at once
+    # and knows each step's next batch (its table rows come with the step's values); the
+    # client, and the serving loop of each trainer, pay for one message every few steps.
+    prefetch_batches: int = 8
+    batches_per_run: int = 4
     compile: bool | None = None  # the servers' executors compile their blocks
     name: str = "fluidps"  # on a cluster, its objects are named after it (to_kubernetes)
     resources: Resources = field(default_factory=Resources)  # each pod's cpu / memory (to_kubernetes)
@@ -75,6 +78,10 @@ class JobDesc:
         if self.prefetch_batches < 1:
             raise BuilderError(
                 f"prefetch_batches must be >= 1 (1: no batch is sent ahead), got {self.prefetch_batches}"
+            )
+        if self.batches_per_run < 1:
+            raise BuilderError(
+                f"batches_per_run must be >= 1 (1: a RUN message a step), got {self.batches_per_run}"
             )
         for field_name, count, given in (
             ("pserver_servers", self.pservers, self.pserver_servers),

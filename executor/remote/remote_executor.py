@@ -4,7 +4,7 @@
         exe.run(startup)
         for x, y in batches:
             (loss,) = exe.run(main, feed={"x": x, "y": y}, fetch_list=[loss])
-        # or, sending each batch while the steps before it run (JobDesc.prefetch_batches):
+        # or, sending batches while the steps before them run (JobDesc.prefetch_batches):
         for (loss,) in exe.run_batches(main, ({"x": x, "y": y} for x, y in batches), [loss]):
             ...
 
@@ -20,8 +20,9 @@ concurrently; a scalar fetch comes back as the batch-weighted mean over
 trainers, a per-example fetch (leading dim -1) concatenated, anything else
 as trainer 0 computed it. `run_batches` runs a sequence of fed batches the
 same way, step after step with the same results, but keeps up to
-`prefetch_batches` steps in flight: each trainer goes from one step to the next
-without waiting for this client, which only collects the fetches.
+`prefetch_batches` steps in flight, several to a RUN message (`batches_per_run`):
+each trainer goes from one step to the next without waiting for this client,
+which only collects the fetches, and both pay for a message every few steps.
 
 A training program with a dataset reader (layers.dataset_reader) is not fed:
 deploying it also starts a coordinator, and each run is a step of every
@@ -68,11 +69,15 @@ from fluidps.transpiler.plan import DistributedPlan
 
 @dataclass
 class _Flight:
-    """A step sent to the trainers and not collected yet."""
+    """Steps sent to the trainers in one RUN each, and not collected yet."""
 
     requests: dict[RpcClient, tuple[RpcClient, int]]  # trainer -> (its client, the RUN's id)
-    sizes: list[int]  # each trainer's share of a fed batch
+    sizes: list[list[int]]  # each step's: each trainer's share of its fed batch
     started: float  # perf_counter when it was sent
+
+    @property
+    def steps(self) -> int:
+        return len(self.sizes)
 
 
 @dataclass
@@ -187,16 +192,23 @@ class RemoteExecutor:
     ) -> Iterator[list[Any]]:
         """Train `program` on each fed batch in turn, as run() would, yielding each step's
         fetches in order. Up to JobDesc.prefetch_batches steps are in flight: the next
-        batches go to the trainers while the current step runs, so a trainer starts its
-        next step at once. The steps, and in sync mode their results, are those of
-        calling run() on each batch. Leaving the loop early waits for the steps already
-        sent; a failed step fails the job, as in run()."""
+        batches go to the trainers while the current steps run, so a trainer starts its
+        next step at once. They go `per_run` (JobDesc.batches_per_run, at most half of
+        prefetch_batches) to a RUN message, which a trainer runs as so many steps and
+        answers once. The steps, and in sync mode their results, are those of calling
+        run() on each batch. Leaving the loop early waits for the steps already sent
+        (batches gathered for a message not sent yet are not run); a failed step fails
+        the job, as in run()."""
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
         if not _trains(program):
             raise ExecutionError(
                 "run_batches trains: give it a program with optimizer ops (run() runs others)"
             )
+        job = self.job
+        # Two messages fit in flight: a trainer ending one message's steps holds the next.
+        per_run = min(job.batches_per_run, max(job.prefetch_batches // 2, 1))
         in_flight: deque[_Flight] = deque()
+        gathered: list[dict[str, Any]] = []  # batches for the next message
         try:
             for feed in batches:
                 self._check_usable()
@@ -204,11 +216,17 @@ class RemoteExecutor:
                 if d is None or d.reads:  # deploys with this batch, or reads a dataset: one at a time
                     yield self.run(program, feed=feed, fetch_list=fetch_names)
                     continue
-                in_flight.append(self._send_step(d, program, dict(feed), fetch_names))
-                if len(in_flight) >= self.job.prefetch_batches:
-                    yield self._collect(d, program, in_flight.popleft(), fetch_names)
+                gathered.append(dict(feed))
+                if len(gathered) < per_run:
+                    continue
+                in_flight.append(self._send_steps(d, program, gathered, fetch_names))
+                gathered = []
+                while sum(f.steps for f in in_flight) + per_run > job.prefetch_batches:
+                    yield from self._collect(d, program, in_flight.popleft(), fetch_names)
+            if gathered:
+                in_flight.append(self._send_steps(self._deployment, program, gathered, fetch_names))
             while in_flight:
-                yield self._collect(self._deployment, program, in_flight.popleft(), fetch_names)
+                yield from self._collect(self._deployment, program, in_flight.popleft(), fetch_names)
         finally:
             self._abandon(in_flight)
 
@@ -234,28 +252,38 @@ class RemoteExecutor:
         if d.reads:
             checked = self._local.prepare(program, feed.keys(), fetch_names).check_feeds(feed)
             return self._read_step(program, d, checked, fetch_names)
-        return self._collect(d, program, self._send_step(d, program, feed, fetch_names), fetch_names)
+        (fetched,) = self._collect(d, program, self._send_steps(d, program, [feed], fetch_names), fetch_names)
+        return fetched
 
-    def _send_step(
-        self, d: Deployment, program: Program, feed: dict[str, Any], fetch_names: list[str]
+    def _send_steps(
+        self, d: Deployment, program: Program, feeds: list[dict[str, Any]], fetch_names: list[str]
     ) -> _Flight:
-        """Check a fed batch, split it across the trainers and send it as their next step."""
-        checked = self._local.prepare(program, feed.keys(), fetch_names).check_feeds(feed)
-        parts = split_feed(checked, len(d.trainers))
-        if self._profile is not None:
-            self._profile.step()
-        flight = self._send(dict(zip(d.trainers, parts, strict=True)), fetch_names)
-        flight.sizes = [batch_size(part) for part in parts]
+        """Check fed batches, split each across the trainers and send them as their next
+        steps, in one RUN to each trainer."""
+        parts = []  # each step's: each trainer's piece of its batch
+        for feed in feeds:
+            checked = self._local.prepare(program, feed.keys(), fetch_names).check_feeds(feed)
+            parts.append(split_feed(checked, len(d.trainers)))
+            if self._profile is not None:
+                self._profile.step()
+        flight = self._send({t: [step[i] for step in parts] for i, t in enumerate(d.trainers)}, fetch_names)
+        flight.sizes = [[batch_size(piece) for piece in step] for step in parts]
         return flight
 
-    def _collect(self, d: Deployment, program: Program, flight: _Flight, fetch_names: list[str]) -> list[Any]:
-        """Wait for a step sent by _send_step; its fetches combined over the trainers."""
+    def _collect(
+        self, d: Deployment, program: Program, flight: _Flight, fetch_names: list[str]
+    ) -> list[list[Any]]:
+        """Wait for the steps of a flight; each step's fetches combined over the trainers."""
         try:
             replies = self._wait(d, flight)
         finally:
             if self._profile is not None:
                 self._profile.add("client step", time.perf_counter() - flight.started)
-        return combine_fetches(program, fetch_names, [replies[t].tensors for t in d.trainers], flight.sizes)
+        fetched = [_fetches_of(replies[t], flight.steps, fetch_names, t.peer) for t in d.trainers]
+        return [
+            combine_fetches(program, fetch_names, [each[i] for each in fetched], sizes)
+            for i, sizes in enumerate(flight.sizes)
+        ]
 
     def _abandon(self, in_flight: deque[_Flight]) -> None:
         """Steps sent but no longer wanted (the loop was left, or a step failed): a job still
@@ -269,23 +297,29 @@ class RemoteExecutor:
                 for client, rid in flight.requests.values():
                     client.forget(rid)
 
-    def _send(self, feeds: dict[RpcClient, dict], fetch_names: list[str]) -> _Flight:
-        """Send a step to the given trainers (each its feed), without waiting."""
+    def _send(self, feeds: dict[RpcClient, list[dict]], fetch_names: list[str]) -> _Flight:
+        """Send steps to the given trainers (each its feed of every step), one RUN to each,
+        without waiting."""
         self.scope.invalidate()
         flight = _Flight({}, [], time.perf_counter())
-        for trainer, feed in feeds.items():
-            msg = Message(Kind.RUN, text="trainer", tensors=feed, names=fetch_names)
+        for trainer, steps in feeds.items():
+            if len(steps) == 1:
+                msg = Message(Kind.RUN, text="trainer", tensors=steps[0], names=fetch_names)
+            else:
+                msg = Message(Kind.RUN, text="trainer", batches=steps, names=fetch_names)
             flight.requests[trainer] = (trainer, trainer.request(msg))
         return flight
 
     def _wait(self, d: Deployment, flight: _Flight) -> dict[RpcClient, Message]:
-        """Each trainer's reply to a step sent by _send; a failure fails the job."""
+        """Each trainer's reply to steps sent by _send; a failure fails the job."""
+        first, last = d.steps + 1, d.steps + max(flight.steps, 1)
+        steps = f"step {first}" if first == last else f"steps {first}-{last}"
         try:
             replies = self._cluster.wait_all(flight.requests)
         except Error as e:
-            self._failed = f"step {d.steps + 1}: {e}"
-            raise ExecutionError(f"the job failed at step {d.steps + 1}: {e}") from None
-        d.steps += 1
+            self._failed = f"{steps}: {e}"
+            raise ExecutionError(f"the job failed at {steps}: {e}") from None
+        d.steps = last
         return replies
 
     def _read_step(self, program: Program, d: Deployment, feed: dict, fetch_names: list[str]) -> list[Any]:
@@ -297,7 +331,7 @@ class RemoteExecutor:
             active = [t for t in d.trainers if t not in d.finished]
             if not active:
                 raise EOFException("every pass over the dataset is done")
-            replies = self._wait(d, self._send({t: dict(feed) for t in active}, fetch_names))
+            replies = self._wait(d, self._send({t: [dict(feed)] for t in active}, fetch_names))
             ran = [t for t in active if replies[t].kind == Kind.VALUES]
             d.finished |= {
                 t for t in active if replies[t].kind == Kind.NO_TASK and replies[t].text == "finished"
@@ -420,7 +454,8 @@ class RemoteExecutor:
 
     def trainer_stats(self) -> list[dict[str, Any]]:
         """Each trainer's state, by trainer id: the programs it holds, its background
-        run, its process's resident memory (rss_bytes) and, once it trained, how many of
+        run, the RUN messages it ran through and their batches, by program (ran: {name:
+        {runs, batches}}), its process's resident memory (rss_bytes) and, once it trained, how many of
         its distributed-table prefetches were served by rows asked for ahead
         (prefetches: served_ahead) and how many went as messages (sent)."""
         d = self._deployment
@@ -486,6 +521,19 @@ def _ask_all(pservers: Mapping[str, RpcClient], kind: int, text: str = "") -> di
     """Every pserver's JSON answer to a `kind` request (STATS, CHECKPOINT), asked at once."""
     replies = wait_all({ep: (c, c.request(Message(kind, text=text))) for ep, c in pservers.items()})
     return {ep: json.loads(r.text) for ep, r in replies.items()}
+
+
+def _fetches_of(reply: Message, steps: int, fetch_names: list[str], trainer: str) -> list[Mapping[str, Any]]:
+    """Each step's fetches in a trainer's reply to a RUN of `steps` batches, checked."""
+    fetched = reply.batches if steps > 1 else [reply.tensors]
+    missing = [n for each in fetched for n in fetch_names if n not in each]
+    if len(fetched) != steps or missing:
+        raise ExecutionError(
+            f"{trainer} answered a RUN of {steps} batch(es) with the fetches of {len(fetched)}"
+            + (f", without fetch {missing[0]!r}" if missing else "")
+            + ": it runs another version of fluidps; run the same one everywhere"
+        )
+    return fetched
 
 
 def _load(name: str, program: Program) -> Message:

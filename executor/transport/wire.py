@@ -2,7 +2,9 @@
 
 A message is a list of ZeroMQ frames: frame 0 is a `wire.Header` protobuf;
 then one raw little-endian frame per dense tensor, two per SelectedRows
-(int64 rows, then values), then `blobs` opaque frames (program bytes).
+(int64 rows, then values), then `blobs` opaque frames (program bytes). A RUN
+of several batches, and its reply, carries each batch's tensors in `batches`
+(on the wire: each tensor tagged with its batch) instead of `tensors`.
 Arrays are sent without copying and received as views of the frames (read-only
 when the frame is bytes; a zmq.Frame's memory is the receiver's to keep, except over
 inproc://, where it may be the sender's array itself). Decoding trusts nothing: every name, dtype, shape and byte count is
@@ -48,6 +50,7 @@ MAX_DIM = 1 << 40
 MAX_NAME = 1024
 MAX_NAMES = 1 << 16
 MAX_TEXT = 1 << 20
+MAX_BATCHES = 1 << 12
 _LITTLE = sys.byteorder == "little"
 
 
@@ -66,6 +69,9 @@ class Message:
     sender: int = 0  # the sending process's incarnation (0: not said)
     barrier: bool = False  # SEND: also the trainer's send barrier of its step
     replaces: int = 0  # a trainer's messages: the incarnation of its id it replaces (0: none)
+    # RUN and its VALUES reply: the feeds / fetches of each of several batches run in
+    # order (empty: one batch, in `tensors`, which stays empty otherwise)
+    batches: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def kind_name(self) -> str:
@@ -106,8 +112,28 @@ def encode(msg: Message) -> list[Any]:
     if msg.replaces:
         header.replaces = msg.replaces
     frames: list[Any] = []
-    for name, value in msg.tensors.items():
+    if msg.batches:
+        if msg.kind not in (Kind.RUN, Kind.VALUES):
+            raise WireError(f"a {msg.kind_name} message carries no batches: only RUN and VALUES do")
+        if msg.tensors:
+            raise WireError("a message of several batches carries its tensors in them, not in tensors")
+        header.batches = len(msg.batches)
+        for batch, tensors in enumerate(msg.batches):
+            _encode_tensors(tensors, header, frames, batch)
+    else:
+        _encode_tensors(msg.tensors, header, frames, None)
+    header.names.extend(msg.names)
+    header.text = msg.text
+    header.blobs = len(msg.blobs)
+    header.pending.extend(msg.pending)
+    return [header.SerializeToString(), *frames, *msg.blobs]
+
+
+def _encode_tensors(tensors: dict[str, Any], header: pb.Header, frames: list[Any], batch: int | None) -> None:
+    for name, value in tensors.items():
         meta = header.tensors.add(name=name)
+        if batch is not None:
+            meta.batch = batch
         if isinstance(value, SelectedRows):
             meta.sparse = True
             meta.height = value.height
@@ -119,11 +145,6 @@ def encode(msg: Message) -> list[Any]:
             meta.dtype = _vartype(array.dtype, name)
             meta.dims.extend(array.shape)
             frames.append(_frame(array))
-    header.names.extend(msg.names)
-    header.text = msg.text
-    header.blobs = len(msg.blobs)
-    header.pending.extend(msg.pending)
-    return [header.SerializeToString(), *frames, *msg.blobs]
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -158,16 +179,27 @@ def decode(frames: list[Any]) -> Message:
         raise WireError("the header has no known kind")
     if len(header.names) > MAX_NAMES or len(header.tensors) > MAX_NAMES:
         raise WireError("too many names or tensors in one message")
+    if header.batches > MAX_BATCHES:
+        raise WireError(f"{header.batches} batches in one message: at most {MAX_BATCHES}")
+    if header.batches and header.kind not in (Kind.RUN, Kind.VALUES):
+        raise WireError(f"a {Kind.Name(header.kind)} message carries no batches: only RUN and VALUES do")
+    batches: list[dict[str, Any]] = [{} for _ in range(header.batches)]
     tensors: dict[str, Any] = {}
     index = 1
     for meta in header.tensors:
         name = _text(meta.name, "a tensor name")
-        if name in tensors:
-            raise WireError(f"tensor {name!r} appears twice")
+        if meta.HasField("batch") != bool(batches) or meta.batch >= max(len(batches), 1):
+            raise WireError(
+                f"tensor {name!r}: batch {meta.batch if meta.HasField('batch') else 'not given'} "
+                f"in a message of {len(batches)} batches"
+            )
+        into = batches[meta.batch] if batches else tensors
+        if name in into:
+            raise WireError(f"tensor {name!r} appears twice" + (f" in batch {meta.batch}" if batches else ""))
         needed = 2 if meta.sparse else 1
         if index + needed > len(frames):
             raise WireError(f"tensor {name!r}: its data frames are missing")
-        tensors[name] = _tensor(meta, name, frames[index : index + needed])
+        into[name] = _tensor(meta, name, frames[index : index + needed])
         index += needed
     blobs = [bytes(_buffer(f)) for f in frames[index : index + header.blobs]]
     if index + header.blobs != len(frames):
@@ -186,6 +218,7 @@ def decode(frames: list[Any]) -> Message:
         sender=header.sender,
         barrier=header.barrier,
         replaces=header.replaces,
+        batches=batches,
     )
 
 

@@ -17,7 +17,16 @@ from hypothesis import strategies as st
 
 from fluidps.errors import WireError
 from fluidps.executor.transport import wire_pb2 as pb
-from fluidps.executor.transport.wire import ALLOWED_DTYPES, MAX_DIM, MAX_DIMS, Kind, Message, decode, encode
+from fluidps.executor.transport.wire import (
+    ALLOWED_DTYPES,
+    MAX_BATCHES,
+    MAX_DIM,
+    MAX_DIMS,
+    Kind,
+    Message,
+    decode,
+    encode,
+)
 from fluidps.ir.types import VarType, to_numpy_dtype
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -55,9 +64,12 @@ def assert_same(got: Message, want: Message) -> None:
         want.incarnation,
     )
     assert (got.names, got.text, got.blobs, got.pending) == (want.names, want.text, want.blobs, want.pending)
-    assert list(got.tensors) == list(want.tensors)
-    for name, value in want.tensors.items():
-        assert_same_tensor(got.tensors[name], value)
+    assert [list(b) for b in [got.tensors, *got.batches]] == [list(b) for b in [want.tensors, *want.batches]]
+    for got_tensors, want_tensors in zip(
+        [got.tensors, *got.batches], [want.tensors, *want.batches], strict=True
+    ):
+        for name, value in want_tensors.items():
+            assert_same_tensor(got_tensors[name], value)
 
 
 def header(*tensors: pb.TensorMeta, kind: int = Kind.SEND, **fields) -> bytes:
@@ -124,6 +136,32 @@ def test_selected_rows_names_text_blobs_pending_round_trip():
     assert len(encode(msg)) == 1 + 1 + 2 + 2 + 2
 
 
+def test_a_run_of_several_batches_round_trips_each_batch_apart():
+    """A name recurs across batches; a batch may be empty or hold rows."""
+    sparse = SelectedRows(np.array([3, 1]), np.ones((2, 2), "float32"), 4)
+    msg = Message(
+        Kind.RUN,
+        batches=[
+            {"x": np.zeros((2, 3), "float32"), "ids": np.arange(2)},
+            {},
+            {"x": np.ones((1, 3)), "g": sparse},
+        ],
+        names=["loss"],
+        text="trainer",
+    )
+    got = roundtrip(msg)
+    assert_same(got, msg)
+    assert got.tensors == {} and len(got.batches) == 3
+    assert len(encode(msg)) == 1 + 2 + 1 + 2
+
+
+def test_encode_refuses_tensors_beside_batches_and_batches_outside_run_and_values():
+    with pytest.raises(WireError, match="carries its tensors in them"):
+        encode(Message(Kind.RUN, tensors={"x": np.ones(2)}, batches=[{"x": np.ones(2)}]))
+    with pytest.raises(WireError, match="a SEND message carries no batches"):
+        encode(Message(Kind.SEND, batches=[{"x@GRAD": np.ones(2)}]))
+
+
 def test_encode_refuses_dtypes_outside_the_allow_list():
     for value in (np.array(["a"]), np.array([1 + 2j]), np.array([object()])):
         with pytest.raises(WireError, match="cannot be sent"):
@@ -160,11 +198,20 @@ messages = st.builds(
     blobs=st.lists(st.binary(max_size=16), max_size=3),
     pending=st.lists(st.integers(0, 2**64 - 1), max_size=4),
 )
+batched_messages = st.builds(
+    Message,
+    kind=st.sampled_from([Kind.RUN, Kind.VALUES]),
+    batches=st.lists(
+        st.dictionaries(names, st.one_of(arrays, selected_rows()), max_size=3), min_size=1, max_size=4
+    ),
+    names=st.lists(names, max_size=4),
+    request_id=st.integers(0, 2**64 - 1),
+)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FUZZ
-@given(messages)
+@given(st.one_of(messages, batched_messages))
 def test_valid_messages_round_trip_exactly(msg):
     assert_same(roundtrip(msg), msg)
 
@@ -176,7 +223,8 @@ def decode_or_wire_error(frames: list[bytes]) -> None:
         assert str(e)
         return
     assert isinstance(msg, Message) and msg.kind in Kind.values() and msg.kind != Kind.UNKNOWN
-    for value in msg.tensors.values():
+    assert not (msg.tensors and msg.batches)
+    for value in [v for tensors in [msg.tensors, *msg.batches] for v in tensors.values()]:
         if isinstance(value, SelectedRows):
             assert value.rows.shape[0] == value.value.shape[0]
             assert value.rows.size == 0 or 0 <= value.rows.min() <= value.rows.max() < value.height
@@ -185,7 +233,7 @@ def decode_or_wire_error(frames: list[bytes]) -> None:
 
 
 @FUZZ
-@given(messages, st.data())
+@given(st.one_of(messages, batched_messages), st.data())
 def test_mutated_messages_decode_or_raise_wire_error(msg, data):
     frames = [bytes(memoryview(f)) for f in encode(msg)]
     for _ in range(data.draw(st.integers(1, 4))):
@@ -266,6 +314,15 @@ def test_random_headers_decode_or_raise_wire_error(metas, blobs, frames):
         ([header(meta(name="")), b"\0" * 8], "a tensor name must have 1 to"),
         ([header(meta(name="n" * 2000)), b"\0" * 8], "a tensor name must have 1 to"),
         ([header(names=[""])], "a name must have 1 to"),
+        ([header(meta(batch=0), kind=Kind.RUN), b"\0" * 8], "batch 0 in a message of 0 batches"),
+        ([header(meta(), kind=Kind.RUN, batches=2), b"\0" * 8], "batch not given in a message of 2 batches"),
+        ([header(meta(batch=2), kind=Kind.RUN, batches=2), b"\0" * 8], "batch 2 in a message of 2 batches"),
+        (
+            [header(meta(batch=1), meta(batch=1), kind=Kind.VALUES, batches=2), b"\0" * 8, b"\0" * 8],
+            "appears twice in batch 1",
+        ),
+        ([header(kind=Kind.RUN, batches=MAX_BATCHES + 1)], f"{MAX_BATCHES + 1} batches in one message"),
+        ([header(meta(batch=0), batches=1), b"\0" * 8], "a SEND message carries no batches"),
     ],
 )
 def test_malformed_messages_raise_wire_error(frames, match):
