@@ -5,7 +5,8 @@ FLUIDPS_PROFILE=1, JobDesc(profile=True)) keeps one Profile. Its pieces add to i
 a trainer's block runner times each op (communication ops under their own type,
 the others as "compute"), the transport times encoding ("serialize") and decoding
 ("deserialize") messages, a pserver times each kind of request it handles and its
-optimize blocks ("optimize"), and a RemoteExecutor times its steps ("client step").
+optimize blocks ("optimize"), and a RemoteExecutor times its steps' RUN messages from
+sending to collecting ("client step"; one message may carry several steps).
 Categories overlap where one contains another (a `send` op includes its
 serialize); the report keeps them apart rather than guess a hierarchy.
 

@@ -43,8 +43,8 @@ bytes and RSS against the ideal N x (16 + 34 state values) x 4 bytes, and the tr
 RSS after its first step and at the end (it holds no rows, whatever N is).
 
 Profile (with --profile): each job row gains `profile`, every process's milliseconds per
-step by category (fluidps.profiling), from after the first step: the client's whole
-step; each trainer's compute and communication ops, serialize and deserialize; each
+step by category (fluidps.profiling), from after the first step: the client's RUN
+messages, from sending to collecting (several steps each); each trainer's compute and communication ops, serialize and deserialize; each
 pserver's request handling, optimize blocks, serialize and deserialize. Profiling adds
 a clock read around every op.
 
