@@ -44,9 +44,9 @@ RSS after its first step and at the end (it holds no rows, whatever N is).
 
 Profile (with --profile): each job row gains `profile`, every process's milliseconds per
 step by category (fluidps.profiling), from after the first step: the client's RUN
-messages, from sending to collecting (several steps each); each trainer's compute and communication ops, serialize and deserialize; each
-pserver's request handling, optimize blocks, serialize and deserialize. Profiling adds
-a clock read around every op.
+messages, from sending to collecting (several steps each); each trainer's compute and
+communication ops, serialize and deserialize; each pserver's request handling, optimize
+blocks, serialize and deserialize. Profiling adds a clock read around every op.
 
 Bandwidth (MiB/s of a 16 MiB float32 parameter, 4M elements, median of `repeats`):
 - fluidps pull: exe.scope[name] (a GET to the one pserver of a 1x1 job)

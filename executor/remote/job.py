@@ -28,11 +28,11 @@ class JobDesc:
     client; RemoteExecutor.profile() collects it. `prefetch_batches`: how many steps
     RemoteExecutor.run_batches keeps in flight (1: a step is sent once the one before
     it is answered); `batches_per_run`: how many of them go to a trainer in one RUN
-    message (at most half of prefetch_batches). `compile`: the servers it starts run their programs as numba-compiled
-    segments (fluidps.Executor(compile=True); a pserver's optimize blocks too), or
-    interpreted; None: as FLUIDPS_COMPILE says in their environment (inherited from this
-    process; compiled unless it says 0). Servers someone else runs decide for themselves
-    (`fluidps serve --compile`).
+    message (at most half of prefetch_batches). `compile`: the servers it starts run
+    their programs as numba-compiled segments (fluidps.Executor(compile=True); a
+    pserver's optimize blocks too), or interpreted; None: as FLUIDPS_COMPILE says in
+    their environment (inherited from this process; compiled unless it says 0). Servers
+    someone else runs decide for themselves (`fluidps serve --compile`).
 
     `cluster`: a fluidps.KubernetesCluster whose pods run the job's servers: the
     RemoteExecutor creates them (kubernetes_servers(), named after `name`, with

@@ -455,9 +455,9 @@ class RemoteExecutor:
     def trainer_stats(self) -> list[dict[str, Any]]:
         """Each trainer's state, by trainer id: the programs it holds, its background
         run, the RUN messages it ran through and their batches, by program (ran: {name:
-        {runs, batches}}), its process's resident memory (rss_bytes) and, once it trained, how many of
-        its distributed-table prefetches were served by rows asked for ahead
-        (prefetches: served_ahead) and how many went as messages (sent)."""
+        {runs, batches}}), its process's resident memory (rss_bytes) and, once it
+        trained, how many of its distributed-table prefetches were served by rows asked
+        for ahead (prefetches: served_ahead) and how many went as messages (sent)."""
         d = self._deployment
         if d is None:
             return []
