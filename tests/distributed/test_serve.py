@@ -3,6 +3,7 @@ connects to (encrypted, reused across jobs), and a pserver run from transpiled f
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import subprocess
@@ -12,10 +13,15 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import zmq
 from rpc_harness import free_port
 
 import fluidps
 from fluidps import layers, optimizer
+from fluidps.errors import RemoteError
+from fluidps.executor.transport.rpc import RpcClient
+from fluidps.executor.transport.settings import RpcSettings
+from fluidps.executor.transport.wire import Kind, Message
 from helpers import stop_group
 
 FLUIDPS = [sys.executable, "-m", "fluidps"]
@@ -158,3 +164,49 @@ def test_serve_runs_a_pserver_from_transpiled_files(tmp_path):
         assert exe.close() == []
         process.wait(30)  # its only trainer is done: the pserver loop ends and the process exits
     assert process.returncode == 0
+
+
+def test_a_run_of_several_batches_runs_them_in_order_and_answers_each_ones_fetches(tmp_path):
+    """A RUN carrying several batches (what RemoteExecutor.run_batches sends) runs them as
+    so many steps and answers with each one's fetches; a failing batch is named, and a
+    program reading a dataset, whose end cannot be answered batch by batch, is run one
+    batch a RUN."""
+    records = np.random.default_rng(3).normal(size=(40, 2)).astype("float32")
+    fluidps.io.Dataset.write(tmp_path / "data", {"r": records}, records_per_shard=40)
+    fed, reading, startup = fluidps.Program(), fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(fed, fluidps.Program()):
+        doubled = layers.scale(layers.data("x", [2]), 2.0)
+    with fluidps.program_guard(reading, startup):
+        r = layers.data("r", [2])
+        layers.dataset_reader(tmp_path / "data", [r], batch_size=16, shuffle=False)
+        total = layers.reduce_sum(r)
+    context = zmq.Context()
+    with _serve("--name", "batches", name="executor server") as (_, address):
+        client = RpcClient(context, address, "the executor server", RpcSettings())
+        try:
+            for name, program in (("fed", fed), ("reading", reading), ("startup", startup)):
+                client.call(Message(Kind.LOAD, text=name, blobs=[program.serialize_to_string()]))
+            client.call(Message(Kind.RUN, text="startup"))
+            xs = [np.full((k, 2), k, dtype="float32") for k in (1, 2, 3)]
+            reply = client.call(
+                Message(Kind.RUN, text="fed", batches=[{"x": x} for x in xs], names=[doubled.name])
+            )
+            assert reply.kind == Kind.VALUES and not reply.tensors
+            for got, x in zip(reply.batches, xs, strict=True):
+                np.testing.assert_array_equal(got[doubled.name], 2 * x)
+            bad = [{"x": xs[0]}, {"x": xs[1].astype("float64")}]
+            with pytest.raises(RemoteError, match=r"batch 2 of the 2 this RUN carried: .*'x'"):
+                client.call(Message(Kind.RUN, text="fed", batches=bad, names=[doubled.name]))
+            # 40 records, 16 a batch: two batches, then one of 8, then the end of the data.
+            two = client.call(Message(Kind.RUN, text="reading", batches=[{}, {}], names=[total.name]))
+            assert [float(b[total.name]) for b in two.batches] == pytest.approx(
+                [records[:16].sum(), records[16:32].sum()], rel=1e-5
+            )
+            with pytest.raises(RemoteError, match="reads a dataset: run it one batch a RUN, not 2"):
+                client.call(Message(Kind.RUN, text="reading", batches=[{}, {}], names=[total.name]))
+            status = json.loads(client.call(Message(Kind.STATUS)).text)
+            assert status["ran"]["fed"] == {"runs": 1, "batches": 3}  # failed RUNs are not counted
+            assert status["ran"]["reading"] == {"runs": 1, "batches": 2}
+        finally:
+            client.close()
+            context.term()
