@@ -72,12 +72,9 @@ class _Flight:
     """Steps sent to the trainers in one RUN each, and not collected yet."""
 
     requests: dict[RpcClient, tuple[RpcClient, int]]  # trainer -> (its client, the RUN's id)
-    sizes: list[list[int]]  # each step's: each trainer's share of its fed batch
+    steps: int  # the batches each RUN carries
     started: float  # perf_counter when it was sent
-
-    @property
-    def steps(self) -> int:
-        return len(self.sizes)
+    sizes: list[list[int]] = field(default_factory=list)  # each fed step's: each trainer's share
 
 
 @dataclass
@@ -301,7 +298,7 @@ class RemoteExecutor:
         """Send steps to the given trainers (each its feed of every step), one RUN to each,
         without waiting."""
         self.scope.invalidate()
-        flight = _Flight({}, [], time.perf_counter())
+        flight = _Flight({}, len(next(iter(feeds.values()))), time.perf_counter())
         for trainer, steps in feeds.items():
             if len(steps) == 1:
                 msg = Message(Kind.RUN, text="trainer", tensors=steps[0], names=fetch_names)
@@ -312,7 +309,7 @@ class RemoteExecutor:
 
     def _wait(self, d: Deployment, flight: _Flight) -> dict[RpcClient, Message]:
         """Each trainer's reply to steps sent by _send; a failure fails the job."""
-        first, last = d.steps + 1, d.steps + max(flight.steps, 1)
+        first, last = d.steps + 1, d.steps + flight.steps
         steps = f"step {first}" if first == last else f"steps {first}-{last}"
         try:
             replies = self._cluster.wait_all(flight.requests)
