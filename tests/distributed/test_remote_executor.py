@@ -15,67 +15,10 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from remote_models import SLICED, mlp, mlp_batches, persistables, sparse_batches, sparse_model
 
 import fluidps
 from fluidps import layers, optimizer
-
-# Small slices, so that even these small models are cut across both pservers.
-SLICED = fluidps.DistributeTranspilerConfig(min_block_size=64)
-
-
-def _mlp() -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable, fluidps.Program, fluidps.Variable]:
-    """(main, startup, loss, test program, logits) of a seeded MLP trained with Adam."""
-    main, startup = fluidps.Program(), fluidps.Program()
-    startup.random_seed = 7  # before any initializer is added: each takes its seed from it
-    with fluidps.program_guard(main, startup):
-        x = layers.data("x", [64])
-        y = layers.data("y", [1], dtype="int64")
-        h = layers.fc(layers.fc(x, 32, act="relu"), 32, act="relu")
-        logits = layers.fc(h, 10)
-        loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
-        test_program = main.clone(for_test=True)
-        optimizer.Adam(0.01).minimize(loss)
-    return main, startup, loss, test_program, logits
-
-
-def _sparse_model(distributed: bool = False) -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
-    """`distributed`: the table is marked is_distributed (it stays on the pservers)."""
-    main, startup = fluidps.Program(), fluidps.Program()
-    startup.random_seed = 11
-    with fluidps.program_guard(main, startup):
-        dense = layers.data("dense", [4])
-        ids = layers.data("ids", [3], dtype="int64")
-        label = layers.data("label", [1], dtype="int64")
-        table = layers.embedding_v2(ids, [500, 4], is_sparse=True, is_distributed=distributed)
-        emb = layers.reshape(table, [-1, 12])
-        h = layers.fc(layers.concat([dense, emb], axis=1), 16, act="relu")
-        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 2), label))
-        optimizer.Adam(0.05, lazy_mode=True).minimize(loss)
-    return main, startup, loss
-
-
-def _mlp_batches(n: int, rows: int = 16, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [
-        {"x": rng.normal(size=(rows, 64)).astype("float32"), "y": rng.integers(0, 10, (rows, 1))}
-        for _ in range(n)
-    ]
-
-
-def _sparse_batches(n: int, rows: int = 8, seed: int = 1) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "dense": rng.normal(size=(rows, 4)).astype("float32"),
-            "ids": rng.integers(0, 500, (rows, 3)),
-            "label": rng.integers(0, 2, (rows, 1)),
-        }
-        for _ in range(n)
-    ]
-
-
-def _persistables(program: fluidps.Program) -> list[str]:
-    return sorted(v.name for v in program.list_vars() if v.persistable and v.name not in ("feed", "fetch"))
 
 
 def _assert_gone(pids: dict[str, int]) -> None:
@@ -96,8 +39,8 @@ def _assert_gone(pids: dict[str, int]) -> None:
 def test_sync_job_of_two_trainers_and_two_pservers_matches_local_training(compiled, tmp_path):
     """Compiled: the trainers run their programs' compute as compiled segments and the
     pservers their optimize blocks, and train as local (interpreted) training does."""
-    main, startup, loss, test_program, logits = _mlp()
-    batches = _mlp_batches(12)  # (a block compiles at its 10th run: COMPILE_AFTER)
+    main, startup, loss, test_program, logits = mlp()
+    batches = mlp_batches(12)  # (a block compiles at its 10th run: COMPILE_AFTER)
     local = fluidps.Executor(compile=False)
     local.run(startup)
     expected = [local.run(main, feed=b, fetch_list=[loss, logits]) for b in batches]
@@ -111,7 +54,7 @@ def test_sync_job_of_two_trainers_and_two_pservers_matches_local_training(compil
         got = [exe.run(main, feed=b, fetch_list=[loss, logits]) for b in batches]
         # Every parameter was cut across both pservers, and the job holds local training's values.
         assert {s.endpoint for s in exe.plan.slices} == set(exe.plan.endpoints)
-        for name in _persistables(main):
+        for name in persistables(main):
             np.testing.assert_allclose(exe.scope[name], local.scope[name], rtol=2e-5, atol=1e-6, err_msg=name)
         # A program without optimizer ops runs in the client on the job's parameters.
         feed = batches[0]
@@ -139,140 +82,9 @@ def test_sync_job_of_two_trainers_and_two_pservers_matches_local_training(compil
     _assert_gone(pids)
 
 
-def test_prefetched_batches_train_as_one_step_at_a_time():
-    """run_batches keeps steps in flight (each trainer holds the next RUNs and goes from one
-    to the next without waiting for the client); a 2x2 sync job still trains exactly like
-    local training, with each gradient sent as backward computes it."""
-    main, startup, loss, _, _ = _mlp()
-    batches = _mlp_batches(8)
-    local = fluidps.Executor()
-    local.run(startup)
-    expected = [float(local.run(main, feed=b, fetch_list=[loss])[0]) for b in batches]
-
-    job = fluidps.JobDesc(pservers=2, trainers=2, config=SLICED, prefetch_batches=3)
-    with fluidps.RemoteExecutor(job) as exe:
-        exe.run(startup)
-        got = [float(fetched[0]) for fetched in exe.run_batches(main, iter(batches), [loss])]
-        for name in _persistables(main):
-            np.testing.assert_allclose(exe.scope[name], local.scope[name], rtol=2e-5, atol=1e-6, err_msg=name)
-        held = [t["most_runs_held"] for t in exe.trainer_stats()]
-        stats = exe.pserver_stats()
-    np.testing.assert_allclose(got, expected, rtol=1e-5)
-    # The first batch deploys the job; the others go up to 3 at a time. How many a trainer
-    # held at once depends on how fast it ran them as they came: never more than 3.
-    assert all(1 <= h <= 3 for h in held), held
-    assert [s["completed_steps"] for s in stats.values()] == [len(batches)] * 2
-    sends = [op for op in exe.plan.trainer_program.global_block().ops if op.type == "send"]
-    assert len(sends) == 6  # one per parameter, in backward order
-
-
-def test_batches_go_several_to_a_run_and_train_as_one_step_at_a_time():
-    """By default run_batches sends 4 batches to a RUN (8 in flight): each trainer runs them as
-    four steps and answers once. A 2x2 sync job trains exactly like local training, each
-    step's fetches (a mean, and per-example rows of a batch smaller than the others) come
-    back as run() gives them, and the batches left over go in a smaller message."""
-    main, startup, loss, _, logits = _mlp()
-    batches = _mlp_batches(10)
-    batches[-2] = _mlp_batches(1, rows=6, seed=5)[0]  # a smaller batch inside the last full RUN
-    local = fluidps.Executor()
-    local.run(startup)
-    expected = [local.run(main, feed=b, fetch_list=[loss, logits]) for b in batches]
-
-    job = fluidps.JobDesc(pservers=2, trainers=2, config=SLICED)
-    assert (job.prefetch_batches, job.batches_per_run) == (8, 4)
-    with fluidps.RemoteExecutor(job) as exe:
-        exe.run(startup)
-        got = list(exe.run_batches(main, iter(batches), [loss, logits]))
-        for name in _persistables(main):
-            np.testing.assert_allclose(exe.scope[name], local.scope[name], rtol=2e-5, atol=1e-6, err_msg=name)
-        trainers = exe.trainer_stats()
-        (completed,) = {s["completed_steps"] for s in exe.pserver_stats().values()}
-    assert len(got) == len(batches) and completed == len(batches)
-    for (loss_got, logits_got), (loss_want, logits_want) in zip(got, expected, strict=True):
-        np.testing.assert_allclose(loss_got, loss_want, rtol=1e-5)
-        np.testing.assert_allclose(logits_got, logits_want, rtol=1e-4, atol=1e-5)
-    # The first batch deploys the job and runs alone; the other 9 go 4, 4 and 1 to a RUN.
-    assert [t["ran"]["trainer"] for t in trainers] == [{"runs": 4, "batches": 10}] * 2
-    assert all(1 <= t["most_runs_held"] <= 2 for t in trainers), trainers
-
-
-@pytest.mark.parametrize("per_run", [1, 4])
-def test_run_batches_of_a_distributed_table_job_asks_for_each_next_batchs_rows_with_the_step(per_run):
-    """A trainer knowing the next batch (the next of its RUN's batches, or the RUN it holds
-    next) asks its pservers for that batch's table rows behind the step's barrier, and the
-    next step's prefetch sends nothing: the job still trains as local training on the
-    whole batches."""
-    main, startup, loss = _sparse_model(distributed=True)
-    batches = _sparse_batches(8)
-    local = fluidps.Executor()
-    local.run(startup)
-    expected = [float(local.run(main, feed=b, fetch_list=[loss])[0]) for b in batches]
-    config = fluidps.DistributeTranspilerConfig(min_block_size=64)
-    with fluidps.RemoteExecutor(
-        fluidps.JobDesc(
-            pservers=2, trainers=2, config=config, prefetch_batches=3 * per_run, batches_per_run=per_run
-        )
-    ) as exe:
-        exe.run(startup)
-        got = [float(fetched[0]) for fetched in exe.run_batches(main, iter(batches), [loss])]
-        table = np.array(exe.scope["embedding_0.w_0"], copy=True)
-        prefetches = [t["prefetches"] for t in exe.trainer_stats()]
-    np.testing.assert_allclose(got, expected, rtol=1e-5)
-    np.testing.assert_allclose(table, local.scope["embedding_0.w_0"], rtol=2e-5, atol=1e-6)
-    # The first step deploys the job and runs alone; each later step but the last knows its
-    # next batch when it is the same RUN's next (7 batches, 4 to a RUN: at least 3 + 2 steps),
-    # or when the next RUN is held already (up to 3 are in flight).
-    assert all(p["served_ahead"] >= (5 if per_run == 4 else 1) for p in prefetches), prefetches
-
-
-def test_leaving_run_batches_early_finishes_the_steps_sent():
-    main, startup, loss, _, _ = _mlp()
-    batches = _mlp_batches(6)
-    with fluidps.RemoteExecutor(fluidps.JobDesc(prefetch_batches=2)) as exe:
-        exe.run(startup)
-        exe.run(main, feed=batches[0], fetch_list=[loss])  # deployed
-        steps = exe.run_batches(main, iter(batches[1:]), [loss])
-        next(steps)  # batches 1 and 2 were sent; 1 is answered
-        steps.close()  # 2 was sent: it runs, and is waited for
-        (stats,) = exe.pserver_stats().values()
-        assert stats["completed_steps"] == 3
-        # A failing step fails the job; the step queued behind it is not run.
-        bad = dict(batches[3], y=np.full((16, 1), 99))  # labels outside the 10 classes
-        with pytest.raises(fluidps.ExecutionError, match="the job failed at step 4"):
-            list(exe.run_batches(main, iter([bad, batches[4]]), [loss]))
-        with pytest.raises(fluidps.ExecutionError, match="failed earlier"):
-            exe.run(main, feed=batches[5], fetch_list=[loss])
-
-
-def test_leaving_run_batches_early_finishes_the_runs_sent_and_a_failing_batch_is_named():
-    """Batches go 4 to a RUN, 8 in flight: leaving after the first step's fetches waits for
-    the two RUNs sent, and sends nothing more. A batch failing inside a RUN fails the job,
-    naming the RUN's steps and which of its batches failed: the batches before it ran,
-    those after it did not."""
-    main, startup, loss, _, _ = _mlp()
-    batches = _mlp_batches(20)
-    with fluidps.RemoteExecutor(fluidps.JobDesc()) as exe:
-        exe.run(startup)
-        exe.run(main, feed=batches[0], fetch_list=[loss])  # deployed
-        steps = exe.run_batches(main, iter(batches[1:17]), [loss])
-        next(steps)  # two RUNs of 4 were sent (8 in flight), and the first one answered
-        steps.close()  # the second one runs, and is waited for
-        (stats,) = exe.pserver_stats().values()
-        assert stats["completed_steps"] == 1 + 8
-        bad = dict(batches[17], y=np.full((16, 1), 99))  # labels outside the 10 classes
-        with pytest.raises(
-            fluidps.ExecutionError, match=r"failed at steps 10-13: .*batch 2 of the 4 this RUN carried"
-        ):
-            list(exe.run_batches(main, iter([batches[18], bad, batches[19], batches[1]]), [loss]))
-        (stats,) = exe.pserver_stats().values()
-        assert stats["completed_steps"] == 10
-        with pytest.raises(fluidps.ExecutionError, match="failed earlier"):
-            exe.run(main, feed=batches[5], fetch_list=[loss])
-
-
 def test_sparse_job_resumes_from_loaded_values_and_saves_whole_variables(tmp_path):
-    main, startup, loss = _sparse_model()
-    batches = _sparse_batches(6)
+    main, startup, loss = sparse_model()
+    batches = sparse_batches(6)
     local = fluidps.Executor()
     local.run(startup)
     for b in batches[:3]:
@@ -298,7 +110,7 @@ def test_sparse_job_resumes_from_loaded_values_and_saves_whole_variables(tmp_pat
     check = fluidps.Executor()
     check.run(startup)
     fluidps.io.load_persistables(check, tmp_path / "remote", main)
-    for name in _persistables(main):
+    for name in persistables(main):
         np.testing.assert_allclose(check.scope[name], local.scope[name], rtol=2e-5, atol=1e-7, err_msg=name)
     # Each pserver received only rows of its own range that the batches touched.
     touched = {int(i) for b in batches[3:] for i in b["ids"].ravel()}
@@ -310,25 +122,25 @@ def test_sparse_job_resumes_from_loaded_values_and_saves_whole_variables(tmp_pat
 
 
 def test_mistakes_are_reported_and_the_job_goes_on():
-    main, startup, loss, _, _ = _mlp()
-    other, _, other_loss, _, _ = _mlp()
+    main, startup, loss, _, _ = mlp()
+    other, _, other_loss, _, _ = mlp()
     with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=1, trainers=2)) as exe:
         with pytest.raises(fluidps.ExecutionError, match="startup program"):
-            exe.run(main, feed=_mlp_batches(1)[0], fetch_list=[loss])
+            exe.run(main, feed=mlp_batches(1)[0], fetch_list=[loss])
         exe.run(startup)
         with pytest.raises(fluidps.UnsupportedError, match=r"exe\.scope"):
-            exe.run(main, feed=_mlp_batches(1)[0], scope=fluidps.Scope())
+            exe.run(main, feed=mlp_batches(1)[0], scope=fluidps.Scope())
         with pytest.raises(fluidps.ExecutionError, match="at least one per trainer"):
-            exe.run(main, feed=_mlp_batches(1, rows=1)[0], fetch_list=[loss])
+            exe.run(main, feed=mlp_batches(1, rows=1)[0], fetch_list=[loss])
         with pytest.raises(fluidps.FeedError, match="dtype"):
-            bad = dict(_mlp_batches(1)[0], x=np.zeros((4, 64)))
+            bad = dict(mlp_batches(1)[0], x=np.zeros((4, 64)))
             exe.run(main, feed=bad, fetch_list=[loss])
-        (first,) = exe.run(main, feed=_mlp_batches(1)[0], fetch_list=[loss])
+        (first,) = exe.run(main, feed=mlp_batches(1)[0], fetch_list=[loss])
         with pytest.raises(fluidps.UnsupportedError, match="another program"):
-            exe.run(other, feed=_mlp_batches(1)[0], fetch_list=[other_loss])
+            exe.run(other, feed=mlp_batches(1)[0], fetch_list=[other_loss])
         with pytest.raises(fluidps.ExecutionError, match="not a persistable variable"):
             exe.scope["no_such_variable"] = np.zeros(3)
-        (second,) = exe.run(main, feed=_mlp_batches(1)[0], fetch_list=[loss])
+        (second,) = exe.run(main, feed=mlp_batches(1)[0], fetch_list=[loss])
         assert float(second) < float(first)  # the same batch again, after one Adam step
     with pytest.raises(fluidps.BuilderError, match="trainer_servers"):
         fluidps.JobDesc(trainers=2, trainer_servers=["tcp://127.0.0.1:1"])
@@ -341,8 +153,8 @@ def test_mistakes_are_reported_and_the_job_goes_on():
 
 
 def test_a_killed_trainer_fails_the_step_within_seconds_and_close_cleans_up():
-    main, startup, loss, _, _ = _mlp()
-    batches = _mlp_batches(3)
+    main, startup, loss, _, _ = mlp()
+    batches = mlp_batches(3)
     exe = fluidps.RemoteExecutor(fluidps.JobDesc(pservers=1, trainers=2, peer_timeout=2.0))
     pids = exe.server_pids
     try:
@@ -371,7 +183,7 @@ def _records(n: int = 300, seed: int = 5) -> dict[str, np.ndarray]:
 
 
 def _reading_mlp(dataset, passes: int):
-    main, startup, loss, _, _ = _mlp()
+    main, startup, loss, _, _ = mlp()
     block = main.global_block()
     with fluidps.program_guard(main, startup):
         layers.dataset_reader(dataset, [block.var("x"), block.var("y")], batch_size=16, passes=passes)
@@ -455,8 +267,8 @@ def test_servers_outlive_no_client_that_was_killed(tmp_path):
 def test_checkpoints_on_demand_resume_a_job_with_another_number_of_pservers(tmp_path):
     """exe.checkpoint() saves every pserver's slices; a new job on three pservers restores
     them (cut differently) and carries on exactly where the first one stopped."""
-    main, startup, loss, _, _ = _mlp()
-    batches = _mlp_batches(6)
+    main, startup, loss, _, _ = mlp()
+    batches = mlp_batches(6)
     config = fluidps.DistributeTranspilerConfig(min_block_size=64, checkpoint_dir=str(tmp_path / "ckpt"))
     local = fluidps.Executor()
     local.run(startup)
@@ -484,8 +296,8 @@ def test_a_distributed_table_job_matches_local_training_and_resumes_on_other_pse
     """Two trainers prefetch the rows of their halves of each batch from two pservers, in
     sync mode: local training on the whole batches. A checkpoint of the job restores on
     three pservers, the table cut differently, and training carries on as locally."""
-    main, startup, loss = _sparse_model(distributed=True)
-    batches = _sparse_batches(6)
+    main, startup, loss = sparse_model(distributed=True)
+    batches = sparse_batches(6)
     table = "embedding_0.w_0"
     config = fluidps.DistributeTranspilerConfig(min_block_size=64, checkpoint_dir=str(tmp_path / "ckpt"))
     local = fluidps.Executor()
@@ -583,8 +395,8 @@ def test_a_profiled_job_reports_where_each_process_spent_each_step():
     pserver's time by category, over the steps each counted."""
     from fluidps.profiling import per_step
 
-    main, startup, loss, _, _ = _mlp()
-    batches = _mlp_batches(4)
+    main, startup, loss, _, _ = mlp()
+    batches = mlp_batches(4)
     with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=2, trainers=2, profile=True)) as exe:
         exe.run(startup)
         exe.run(main, feed=batches[0], fetch_list=[loss])
