@@ -6,7 +6,10 @@ applies gradients and says when a GET may be answered; GETs that may not be
 answered yet wait in `deferred`, and async SENDs whose gradients are not applied
 yet in `unapplied` (the optimize thread wakes the loop when it applies one). A
 PREFETCH (rows of a distributed table's block, by index) is a pull like a GET:
-checked, then answered when a GET would be.
+checked, then answered when a GET would be. In sync mode a distributed table's
+update is held until the step's answers are out, the rows a PREFETCH asks for
+applied first (rows_first.py); it is applied whole before any other request is
+handled, and before the loop waits for one.
 
 Trainers are tracked by `Membership`: a trainer silent (no message, no
 keepalive) for the peer timeout is evicted in an elastic job and fails the job,
@@ -42,6 +45,7 @@ from fluidps.executor.ps.gradients import GradientSpec, RowLog
 from fluidps.executor.ps.joined_blocks import JoinedBlocks
 from fluidps.executor.ps.membership import DONE, Claim, Membership
 from fluidps.executor.ps.message_limit import message_limit
+from fluidps.executor.ps.rows_first import RowsFirst, SplitBlock, split_block
 from fluidps.executor.ps.strategies import STRATEGIES
 from fluidps.executor.transport.ratelimit import RateLimitedLog
 from fluidps.executor.transport.rpc import Request, RpcServer, Waker
@@ -126,6 +130,11 @@ class ParameterServer:
         self.lock_of = {name: self.locks[i] for i in self.blocks for name in self.blocks[i].writes}
         self.checkpoints = Checkpointer(op, self.log, host.checkpoints)
         self.strategy = STRATEGIES[self.mode](self)
+        # Sync: a distributed table's update is held, and the rows a PREFETCH asks for applied first.
+        splits = self._split_blocks(program) if self.mode == "sync" else {}
+        self.rows_first = RowsFirst(
+            env, splits, lambda grads: self.joined.run([self.grad_block[g] for g in grads], env)
+        )
         self._stop_reason: str | None = None
         # Set when the loop stops taking requests (it then finishes what it acknowledged).
         self.ended = threading.Event()
@@ -133,6 +142,14 @@ class ParameterServer:
         self._started = time.monotonic()
         self._alone_since: float | None = None  # when the last trainer not done was evicted
         self._stall = (0, time.monotonic())  # the progress counted, and since when requests wait on it
+
+    def _split_blocks(self, program: Any) -> dict[str, SplitBlock]:
+        """The optimize blocks whose distributed table update cuts by rows (rows_first.py)."""
+        copies = self.strategy.copies
+        splits = {
+            g: split_block(program.block(i), self.tables, copies[g]) for g, i in self.grad_block.items()
+        }
+        return {g: split for g, split in splits.items() if split is not None}
 
     def log(self, message: str) -> None:
         self.log_lines.append(message)
@@ -154,6 +171,7 @@ class ParameterServer:
                 for request in self.server.receive(0.05, wake=self._waker.socket):
                     self.last_heard = time.monotonic()
                     self._handle(request)
+                self._finish_held()
                 self._check_trainers()
                 self._retry_claims()
                 self._check_rejoin()
@@ -180,6 +198,24 @@ class ParameterServer:
                 signal.signal(signal.SIGTERM, previous_handler)
         if self._stop_reason == "SIGTERM" and previous_handler is not None:
             os.kill(os.getpid(), signal.SIGTERM)  # die of it, as the sender expects, now that it is saved
+
+    def _finish_held(self) -> None:
+        """Apply held table updates, after the requests already waiting (a PREFETCH among them
+        has its rows applied first): nothing else in the loop reads a table with one held."""
+        while self.rows_first.pending:
+            waiting = self.server.receive(0)
+            if not waiting:
+                self._apply_held()
+                return
+            for request in waiting:
+                self.last_heard = time.monotonic()
+                self._handle(request)
+
+    def _apply_held(self) -> None:
+        try:
+            self.rows_first.flush()
+        except Error as e:  # no request to answer with it: the step's gradients were acknowledged
+            raise ExecutionError(f"{self.name}: an optimize block failed: {e}") from e
 
     def _report_stall(self) -> None:
         """Say what the job waits for when requests have waited on a step for STALL_LOG_S
@@ -234,6 +270,8 @@ class ParameterServer:
 
     def _handle(self, request: Request) -> None:
         msg = request.msg
+        if msg.kind != Kind.PREFETCH:
+            self._apply_held()  # (a PREFETCH reads only what it asks for: see _on_prefetch)
         # GET and SET also come from observers (trainer id -1): a RemoteExecutor saving or loading.
         observer = (
             msg.kind in (Kind.GET, Kind.PREFETCH, Kind.SET, Kind.STATS, Kind.CHECKPOINT)
@@ -487,6 +525,10 @@ class ParameterServer:
                 raise ExecutionError(
                     f"row {int(rows[bad[0]])} asked of table block {name!r} is outside its {height} rows"
                 )
+        if self.rows_first.pending and self._may_answer(request.msg):
+            self.rows_first.first(request.msg.tensors)  # its rows now, the rest after the answer
+        else:
+            self._apply_held()
         self._pull(request)
 
     def _pull(self, request: Request) -> None:
@@ -503,6 +545,8 @@ class ParameterServer:
         if msg.kind == Kind.PREFETCH:
             values = {name: self.strategy.read_rows(name, rows) for name, rows in msg.tensors.items()}
         else:
+            if self.rows_first.holds(msg.names):
+                self._apply_held()
             values = {name: self.strategy.read(name) for name in msg.names}
             if msg.trainer_id >= 0:
                 self.strategy.answered(msg.trainer_id)

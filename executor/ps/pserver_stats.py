@@ -48,6 +48,7 @@ def snapshot(ps: ParameterServer, compact: bool = False) -> dict[str, Any]:
         "rss_bytes": resident_bytes(),
         "compiled_ops": sum(r.compiled_ops for r in runners),  # 0: interpreted
         "joined_blocks": ps.joined.sets,  # sets of optimize blocks run as one block
+        "rows_first": dict(ps.rows_first.counts),  # table updates held, and cut for a PREFETCH
         "max_message_bytes": ps.settings.message_limit,
     }
     if rows is not None:

@@ -230,14 +230,16 @@ class SyncStrategy(Strategy):
 
     def _apply(self, grads: list[str]) -> None:
         """Run the optimize blocks of `grads` as one (and, first in a step, the
-        learning-rate block)."""
+        learning-rate block); a distributed table's is held (ParameterServer.rows_first)."""
         ps = self.ps
         if not grads:
             return
         if not self.applied and ps.lr_block is not None:
             ps.lr_block.run(ps.env)
         self.applied.update(grads)
-        ps.joined.run([ps.grad_block[g] for g in grads], ps.env)
+        now = ps.rows_first.hold(grads)  # a distributed table's: applied after the answers (rows_first.py)
+        if now:
+            ps.joined.run([ps.grad_block[g] for g in now], ps.env)
 
     def _maybe_complete(self) -> None:
         ps = self.ps

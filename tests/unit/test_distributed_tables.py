@@ -78,7 +78,10 @@ class Job:
         self.program = self.transpiler.get_trainer_program()
 
     def table(self, name=TABLE):
-        """The whole table, gathered from the pservers' blocks (a test's privilege)."""
+        """The whole table, gathered from the pservers' blocks (a test's privilege). A round
+        trip to each pserver first: a sync pserver applies the table update it holds after
+        a step's answers before it handles another request."""
+        self.servers.wait_serving()
         blocks = self.plan.slices_of(name)
         return np.concatenate([np.asarray(self.servers.executors[s.endpoint].scope[s.name]) for s in blocks])
 
@@ -119,6 +122,9 @@ def test_sync_job_with_a_distributed_table_trains_exactly_like_local(rule, pserv
         assert job.exe.runtime.trainer.prefetches["served_ahead"] == 0  # run() is not told the next batch
     finally:
         job.close()
+    # Each step, every pserver with a block of the table held its update after the answers.
+    held = [stats["rows_first"]["held"] for stats in job.servers.final_stats.values()]
+    assert held == [8] * pservers
     # Adagrad and Adam sum a gradient's repeated rows before applying them, so the trainer
     # sends each row once, summed (and still trains bit for bit like local, above); SGD
     # applies each repeat in turn, so its repeats travel.

@@ -1,0 +1,204 @@
+"""Sync mode: a distributed table's update, the rows the next step asks for first.
+
+In a sync step a trainer sends its gradients with its barrier and a GET of the dense
+parameters, then, while the pserver applies them, the PREFETCH of its next batch's
+rows. Applied whole, the table's update stands between the gradients and both answers.
+Yet most of a batch's rows are not in the next batch (about 70% on the CTR workload),
+and a distributed table is never read whole. So a sync pserver applies the dense
+parameters, answers the GET and holds the table blocks' updates (`hold`). A PREFETCH
+then has the rows it asks for updated first (`first`: the gradient cut to those rows),
+and is answered; the rest is applied while the trainer computes (`flush`). The loop
+flushes before any other request, and when no request waits, so nothing else ever
+reads a table with an update held.
+
+Exact: the updates this applies to are row-local (each row's new values depend on its
+own values, state and gradient rows, and on values shared by all rows, such as the
+learning rate and Adam's beta powers). A row's gradient entries keep their order in
+either part, so it sums them as before. The first part must not move the shared state:
+what the update writes of it (`scalars`) is put back after that part, so that the second
+part runs with the step's values and moves it once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from fluidps.ir.program import Block
+from fluidps.ops.hashed_table import mix64
+from fluidps.ops.selected_rows import SelectedRows
+
+# Ops whose update of a sparse gradient's rows is row-local, and the outputs of each that
+# hold state shared by all rows. (Adam only lazily: otherwise it decays every row.)
+_SHARED_OUTPUTS = {
+    "sum": (),
+    "scale": (),
+    "sgd": (),
+    "momentum": (),
+    "adagrad": (),
+    "ftrl": (),
+    "adam": ("Beta1PowOut", "Beta2PowOut"),
+}
+
+
+@dataclass(frozen=True)
+class SplitBlock:
+    """An optimize block whose table update can be cut by rows."""
+
+    table: str  # the table block it updates (a distributed table's, held here whole)
+    inputs: tuple[str, ...]  # the gradients it reads (a copy per trainer, or the gradient)
+    scalars: tuple[str, ...]  # state shared by all rows that it writes (put back after a first part)
+
+
+def split_block(block: Block, tables: Iterable[str], inputs: Iterable[str]) -> SplitBlock | None:
+    """How `block`, reading gradients `inputs`, updates a table of `tables` by rows; None when
+    it does not (another parameter, or an update that is not row-local)."""
+    params = {name for op in block.ops for name in op.inputs.get("Param", ())}
+    if len(params) != 1 or not params <= set(tables):
+        return None
+    scalars = []
+    for op in block.ops:
+        if op.type not in _SHARED_OUTPUTS or (op.type == "adam" and not op.attr("lazy_mode")):
+            return None
+        scalars += [name for slot in _SHARED_OUTPUTS[op.type] for name in op.outputs.get(slot, ())]
+    return SplitBlock(params.pop(), tuple(dict.fromkeys(inputs)), tuple(dict.fromkeys(scalars)))
+
+
+@njit(cache=True)
+def _split_rows(rows, values, wanted):
+    """(rows, values) of the entries whose row is one of `wanted`, and of the others, each
+    in the gradient's order, in one pass. `wanted` goes into a hash set sized to it, so the
+    cost follows the batch, not the table."""
+    capacity = 16
+    while capacity < 2 * wanted.shape[0]:
+        capacity <<= 1
+    mask = capacity - 1
+    keys = np.empty(capacity, dtype=np.int64)
+    used = np.zeros(capacity, dtype=np.bool_)
+    for i in range(wanted.shape[0]):
+        x = wanted[i]
+        k = np.int64(mix64(x) & np.uint64(mask))
+        while used[k] and keys[k] != x:
+            k = (k + 1) & mask
+        used[k], keys[k] = True, x
+    n = rows.shape[0]
+    rows_in, rows_out = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    values_in, values_out = np.empty_like(values), np.empty_like(values)
+    a = b = 0
+    for i in range(n):
+        x = rows[i]
+        k = np.int64(mix64(x) & np.uint64(mask))
+        while used[k] and keys[k] != x:
+            k = (k + 1) & mask
+        if used[k]:
+            rows_in[a] = x
+            for j in range(values.shape[1]):
+                values_in[a, j] = values[i, j]
+            a += 1
+        else:
+            rows_out[b] = x
+            for j in range(values.shape[1]):
+                values_out[b, j] = values[i, j]
+            b += 1
+    return rows_in[:a], values_in[:a], rows_out[:b], values_out[:b]
+
+
+class RowsFirst:
+    """The table updates a sync pserver holds (see the module doc).
+
+    `blocks`: per gradient, how its optimize block cuts by rows; `run(grads)` runs the
+    optimize blocks of `grads` on `env`."""
+
+    def __init__(
+        self, env: dict[str, Any], blocks: Mapping[str, SplitBlock], run: Callable[[list[str]], None]
+    ):
+        self._env = env
+        self.blocks = dict(blocks)
+        self._run = run
+        self.pending: list[str] = []
+        self.counts = {"held": 0, "cut": 0, "rows_first": 0, "rows_after": 0}
+
+    def hold(self, grads: list[str]) -> list[str]:
+        """Hold the updates of those `grads` that cut by rows; returns the others, to apply now."""
+        held = [g for g in grads if g in self.blocks and self._is_array(self.blocks[g].table)]
+        self.pending += held
+        self.counts["held"] += len(held)
+        return [g for g in grads if g not in held]
+
+    def first(self, asked: Mapping[str, np.ndarray]) -> None:
+        """Apply the rows `asked` (table block -> row indices) names of the held updates,
+        and hold the rest."""
+        cuts = {}
+        for grad in self.pending:
+            block = self.blocks[grad]
+            values = [self._env.get(name) for name in block.inputs]
+            shared = [self._env.get(name) for name in block.scalars if name in self._env]
+            if (
+                block.table not in asked
+                or not all(isinstance(v, SelectedRows) for v in values)
+                or not all(isinstance(v, np.ndarray) for v in shared)
+            ):
+                continue  # (applied whole, by flush)
+            wanted = np.asarray(asked[block.table], dtype=np.int64)
+            parts = [_cut(v, wanted) for v in values]
+            now = sum(len(first.rows) for first, _ in parts)
+            later = sum(len(rest.rows) for _, rest in parts)
+            if now and later:
+                cuts[grad] = parts
+                self.counts["rows_first"] += now
+                self.counts["rows_after"] += later
+        if not cuts:
+            return
+        grads = list(cuts)
+        shared = {
+            name: self._env[name] for g in grads for name in self.blocks[g].scalars if name in self._env
+        }
+        saved = {name: value.copy() for name, value in shared.items()}
+        self._give(cuts, 0)
+        try:
+            self._run(grads)
+        except BaseException:
+            # Part-applied: applying them whole too would apply those rows twice.
+            self.pending = [g for g in self.pending if g not in cuts]
+            raise
+        finally:
+            for name, value in shared.items():  # the first part leaves the shared state as it was
+                np.copyto(value, saved[name])
+                self._env[name] = value
+        self._give(cuts, 1)
+        self.counts["cut"] += len(grads)
+
+    def _give(self, cuts: dict[str, list[tuple[SelectedRows, SelectedRows]]], part: int) -> None:
+        """Put part 0 (the rows asked for) or 1 (the rest) of each cut gradient in place of it."""
+        for grad, parts in cuts.items():
+            for name, pair in zip(self.blocks[grad].inputs, parts, strict=True):
+                self._env[name] = pair[part]
+
+    def holds(self, names: Iterable[str]) -> bool:
+        """Whether an update held writes a table of `names`."""
+        tables = {self.blocks[g].table for g in self.pending}
+        return any(name in tables for name in names)
+
+    def flush(self) -> None:
+        """Apply what is held."""
+        if self.pending:
+            grads, self.pending = self.pending, []
+            self._run(grads)
+
+    def _is_array(self, name: str) -> bool:
+        return isinstance(self._env.get(name), np.ndarray)  # a hashed table updates by id: not cut
+
+
+def _cut(value: SelectedRows, wanted: np.ndarray) -> tuple[SelectedRows, SelectedRows]:
+    """`value`'s entries of the rows `wanted`, and the others."""
+    values = value.value.reshape(len(value.rows), -1)
+    rows_in, values_in, rows_out, values_out = _split_rows(value.rows, values, wanted)
+    shape = value.value.shape[1:]
+    return (
+        SelectedRows(rows_in, values_in.reshape(-1, *shape), value.height),
+        SelectedRows(rows_out, values_out.reshape(-1, *shape), value.height),
+    )
