@@ -38,6 +38,10 @@ class KernelOp:
         self.type = op.type
         self._schema = schema
         self._runtime = runtime
+        # A kernel is built for its op as it is (its attributes read once, too): optimizers
+        # look their slots up every run, so the names are kept once found.
+        self._input: dict[str, str] = {}
+        self._output: dict[str, str | None] = {}
 
     @property
     def runtime(self) -> KernelRuntime:
@@ -63,12 +67,16 @@ class KernelOp:
 
     def input(self, slot: str) -> str:
         """The one variable of an input slot."""
-        return self._one(self.op.input(slot), "input", slot)
+        if slot not in self._input:
+            self._input[slot] = self._one(self.op.input(slot), "input", slot)
+        return self._input[slot]
 
     def output(self, slot: str) -> str | None:
         """The one variable of an output slot; None when the output is not wanted."""
-        names = [n for n in self.op.output(slot) if n != EMPTY_VAR_NAME]
-        return self._one(names, "output", slot) if names else None
+        if slot not in self._output:
+            names = [n for n in self.op.output(slot) if n != EMPTY_VAR_NAME]
+            self._output[slot] = self._one(names, "output", slot) if names else None
+        return self._output[slot]
 
     def attr(self, name: str) -> Any:
         return self._schema.attr_value(self.op, name)
