@@ -7,9 +7,9 @@ answered yet wait in `deferred`, and async SENDs whose gradients are not applied
 yet in `unapplied` (the optimize thread wakes the loop when it applies one). A
 PREFETCH (rows of a distributed table's block, by index) is a pull like a GET:
 checked, then answered when a GET would be. In sync mode a distributed table's
-update is held until the step's answers are out, the rows a PREFETCH asks for
-applied first (rows_first.py); it is applied whole before any other request is
-handled, and before the loop waits for one.
+update is held once the step's gradients are in: a PREFETCH has the rows it asks
+for applied first and the rest is applied once no request waits (rows_first.py);
+any other request, a checkpoint and the loop's end apply it first.
 
 Trainers are tracked by `Membership`: a trainer silent (no message, no
 keepalive) for the peer timeout is evicted in an elastic job and fails the job,
@@ -171,13 +171,13 @@ class ParameterServer:
                 for request in self.server.receive(0.05, wake=self._waker.socket):
                     self.last_heard = time.monotonic()
                     self._handle(request)
-                self._finish_held()
                 self._check_trainers()
                 self._retry_claims()
                 self._check_rejoin()
                 self._answer_deferred()
                 self._report_stall()
                 self._maybe_checkpoint()
+                self._finish_held()
                 failure = self.strategy.failure
                 if failure is not None:
                     raise ExecutionError(f"{self.name}: an optimize block failed: {failure}") from failure
@@ -185,6 +185,7 @@ class ParameterServer:
                     raise TransportError(
                         f"{self.name}: no message for {IDLE_TIMEOUT:.0f} s from trainers {sorted(self.members.active)}"
                     )
+            self._apply_held()
             self.ended.set()
             self.strategy.stop()  # every acknowledged gradient applied before the last checkpoint
             if self.checkpoints.enabled and self.checkpoints.changed_since_last(self.strategy.steps):
@@ -200,9 +201,11 @@ class ParameterServer:
             os.kill(os.getpid(), signal.SIGTERM)  # die of it, as the sender expects, now that it is saved
 
     def _finish_held(self) -> None:
-        """Apply held table updates, after the requests already waiting (a PREFETCH among them
-        has its rows applied first): nothing else in the loop reads a table with one held."""
-        while self.rows_first.pending:
+        """Once a PREFETCH has had its rows of a held table update (rows_first.py), apply the
+        rest, after the requests already waiting: the trainer computes meanwhile. Until a
+        PREFETCH comes the update stays held (the next step's rows are applied first);
+        anything else that reads the tables applies it first."""
+        while self.rows_first.pending and self.rows_first.asked:
             waiting = self.server.receive(0)
             if not waiting:
                 self._apply_held()
@@ -211,10 +214,14 @@ class ParameterServer:
                 self.last_heard = time.monotonic()
                 self._handle(request)
 
-    def _apply_held(self) -> None:
+    def _apply_held(self, asked: dict[str, np.ndarray] | None = None) -> None:
+        """Apply the held table updates: the rows `asked` (a PREFETCH's) only, or all."""
         try:
-            self.rows_first.flush()
-        except Error as e:  # no request to answer with it: the step's gradients were acknowledged
+            if asked is None:
+                self.rows_first.flush()
+            else:
+                self.rows_first.first(asked)
+        except Error as e:  # the step's gradients were acknowledged: no request to tell
             raise ExecutionError(f"{self.name}: an optimize block failed: {e}") from e
 
     def _report_stall(self) -> None:
@@ -271,7 +278,7 @@ class ParameterServer:
     def _handle(self, request: Request) -> None:
         msg = request.msg
         if msg.kind != Kind.PREFETCH:
-            self._apply_held()  # (a PREFETCH reads only what it asks for: see _on_prefetch)
+            self._apply_held()  # (a PREFETCH reads only the rows it asks for: see _answer)
         # GET and SET also come from observers (trainer id -1): a RemoteExecutor saving or loading.
         observer = (
             msg.kind in (Kind.GET, Kind.PREFETCH, Kind.SET, Kind.STATS, Kind.CHECKPOINT)
@@ -525,10 +532,6 @@ class ParameterServer:
                 raise ExecutionError(
                     f"row {int(rows[bad[0]])} asked of table block {name!r} is outside its {height} rows"
                 )
-        if self.rows_first.pending and self._may_answer(request.msg):
-            self.rows_first.first(request.msg.tensors)  # its rows now, the rest after the answer
-        else:
-            self._apply_held()
         self._pull(request)
 
     def _pull(self, request: Request) -> None:
@@ -543,6 +546,8 @@ class ParameterServer:
     def _answer(self, request: Request) -> None:
         msg = request.msg
         if msg.kind == Kind.PREFETCH:
+            if self.rows_first.pending:
+                self._apply_held(msg.tensors)  # the rows asked for now, the rest once nothing waits
             values = {name: self.strategy.read_rows(name, rows) for name, rows in msg.tensors.items()}
         else:
             if self.rows_first.holds(msg.names):
@@ -603,6 +608,7 @@ class ParameterServer:
     def _checkpoint(self, reason: str, delta: bool | None = None) -> ckpt.Checkpoint:
         """Save a checkpoint; `delta`: of hashed tables' changes since the last base (None:
         as the checkpoint schedule says)."""
+        self._apply_held()
         since = self.checkpoints.delta_since(delta) or {}
         values = {}
         for name in self.checkpoints.placements:

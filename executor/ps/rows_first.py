@@ -1,15 +1,14 @@
 """Sync mode: a distributed table's update, the rows the next step asks for first.
 
 In a sync step a trainer sends its gradients with its barrier and a GET of the dense
-parameters, then, while the pserver applies them, the PREFETCH of its next batch's
-rows. Applied whole, the table's update stands between the gradients and both answers.
-Yet most of a batch's rows are not in the next batch (about 70% on the CTR workload),
-and a distributed table is never read whole. So a sync pserver applies the dense
-parameters, answers the GET and holds the table blocks' updates (`hold`). A PREFETCH
-then has the rows it asks for updated first (`first`: the gradient cut to those rows),
-and is answered; the rest is applied while the trainer computes (`flush`). The loop
-flushes before any other request, and when no request waits, so nothing else ever
-reads a table with an update held.
+parameters, then the PREFETCH of its next batch's rows. Applied whole, the table's
+update stands between the gradients and both answers. Yet most of a batch's rows are
+not in the next batch (about 70% on the CTR workload), and a distributed table is
+never read whole. So a sync pserver applies the dense parameters, answers the GET and
+holds the table blocks' updates (`hold`). A PREFETCH then has the rows it asks for
+brought up to date first (`first`: the gradient cut to those rows, applied), and is
+answered; the rest is applied once no request waits, while the trainer computes
+(`flush`). Anything else that reads a table with an update held applies it first.
 
 Exact: the updates this applies to are row-local (each row's new values depend on its
 own values, state and gradient rows, and on values shared by all rows, such as the
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from fluidps.errors import ExecutionError
 from fluidps.ir.program import Block
 from fluidps.ops.hashed_table import mix64
 from fluidps.ops.selected_rows import SelectedRows
@@ -111,7 +111,8 @@ class RowsFirst:
     """The table updates a sync pserver holds (see the module doc).
 
     `blocks`: per gradient, how its optimize block cuts by rows; `run(grads)` runs the
-    optimize blocks of `grads` on `env`."""
+    optimize blocks of `grads` on `env`. Whatever reads a table with an update held calls
+    `first` (a PREFETCH: its rows) or `flush` (anything else) before it reads."""
 
     def __init__(
         self, env: dict[str, Any], blocks: Mapping[str, SplitBlock], run: Callable[[list[str]], None]
@@ -120,29 +121,37 @@ class RowsFirst:
         self.blocks = dict(blocks)
         self._run = run
         self.pending: list[str] = []
+        # A PREFETCH has read from what is held: the rest is applied as soon as nothing waits.
+        self.asked = False
         self.counts = {"held": 0, "cut": 0, "rows_first": 0, "rows_after": 0}
 
     def hold(self, grads: list[str]) -> list[str]:
         """Hold the updates of those `grads` that cut by rows; returns the others, to apply now."""
         held = [g for g in grads if g in self.blocks and self._is_array(self.blocks[g].table)]
+        again = [g for g in held if g in self.pending]
+        if again:  # its gradient would have replaced the one held: a step lost
+            raise ExecutionError(f"the update of {again} is held already; it must be applied before the next")
         self.pending += held
+        self.asked = False
         self.counts["held"] += len(held)
         return [g for g in grads if g not in held]
 
     def first(self, asked: Mapping[str, np.ndarray]) -> None:
-        """Apply the rows `asked` (table block -> row indices) names of the held updates,
-        and hold the rest."""
-        cuts = {}
+        """Bring the rows `asked` (table block -> row indices) names up to date: each held
+        update of an asked table is applied to those rows now, the rest held (applied
+        whole when all its rows are asked for, or when it cannot be cut)."""
+        whole, cuts = [], {}
         for grad in self.pending:
             block = self.blocks[grad]
+            if block.table not in asked:
+                continue
             values = [self._env.get(name) for name in block.inputs]
             shared = [self._env.get(name) for name in block.scalars if name in self._env]
-            if (
-                block.table not in asked
-                or not all(isinstance(v, SelectedRows) for v in values)
-                or not all(isinstance(v, np.ndarray) for v in shared)
+            if not all(isinstance(v, SelectedRows) for v in values) or not all(
+                isinstance(v, np.ndarray) for v in shared
             ):
-                continue  # (applied whole, by flush)
+                whole.append(grad)
+                continue
             wanted = np.asarray(asked[block.table], dtype=np.int64)
             parts = [_cut(v, wanted) for v in values]
             now = sum(len(first.rows) for first, _ in parts)
@@ -151,8 +160,18 @@ class RowsFirst:
                 cuts[grad] = parts
                 self.counts["rows_first"] += now
                 self.counts["rows_after"] += later
-        if not cuts:
-            return
+            elif now:
+                whole.append(grad)
+        self.asked = True
+        if whole:
+            self.pending = [g for g in self.pending if g not in whole]
+            self._run(whole)
+        if cuts:
+            self._apply_first(cuts)
+
+    def _apply_first(self, cuts: dict[str, list[tuple[SelectedRows, SelectedRows]]]) -> None:
+        """Apply the first part of each cut update, leaving its shared state as it was, and
+        hold the rest in place of the whole."""
         grads = list(cuts)
         shared = {
             name: self._env[name] for g in grads for name in self.blocks[g].scalars if name in self._env
@@ -166,7 +185,7 @@ class RowsFirst:
             self.pending = [g for g in self.pending if g not in cuts]
             raise
         finally:
-            for name, value in shared.items():  # the first part leaves the shared state as it was
+            for name, value in shared.items():
                 np.copyto(value, saved[name])
                 self._env[name] = value
         self._give(cuts, 1)
@@ -185,6 +204,7 @@ class RowsFirst:
 
     def flush(self) -> None:
         """Apply what is held."""
+        self.asked = False
         if self.pending:
             grads, self.pending = self.pending, []
             self._run(grads)

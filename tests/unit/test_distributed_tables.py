@@ -168,6 +168,26 @@ def test_run_batches_asks_for_the_next_batchs_rows_with_the_step_and_trains_exac
         assert counts["served_ahead"] >= len(feeds) - 1
     finally:
         job.close()
+    # Each PREFETCH had the rows it asked for brought up to date first (rows_first.py).
+    assert sum(stats["rows_first"]["cut"] for stats in job.servers.final_stats.values()) > 0
+
+
+def test_a_batch_trained_again_reads_its_rows_after_the_whole_update():
+    """One batch, again and again: each PREFETCH asks for every row the held update
+    touches, so the pserver applies it whole before answering; training stays exact."""
+    main, startup, loss = ctr_model(OPTIMIZERS["lazy_adam"])
+    job = Job(main, startup, 1)
+    try:
+        local = job.local_twin(main, startup)
+        feeds = [next(batches(1))] * 6
+        expected = [local.run(main, feed=feed, fetch_list=[loss])[0] for feed in feeds]
+        got = [value for (value,) in job.exe.run_batches(job.program, feeds, [loss])]
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(job.table(), local.scope[TABLE])
+    finally:
+        job.close()
+    (stats,) = job.servers.final_stats.values()
+    assert stats["rows_first"]["held"] == len(feeds) and stats["rows_first"]["cut"] == 0
 
 
 def test_two_tables_on_one_pserver_take_their_rows_from_one_prefetch_asked_ahead():

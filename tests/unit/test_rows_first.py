@@ -111,20 +111,39 @@ def test_the_rows_asked_for_are_final_first_and_the_whole_update_is_bit_for_bit_
     assert counts["rows_first"] + counts["rows_after"] == 3 * sum(len(g.rows) for g in grads)
 
 
-def test_an_update_asked_for_whole_or_not_at_all_is_not_cut():
+def test_an_update_whose_rows_are_all_asked_for_is_applied_whole_and_one_none_are_is_held():
     ps = Pserver(OPTIMIZERS["lazy_adam"], 1)
     (grad,) = gradients(1, seed=2)
-    for asked in (np.unique(grad.rows), np.setdiff1d(np.arange(ROWS), grad.rows)):
+    expected = ps.env([grad])
+    BlockRunner(ps.block).run(expected)
+    untouched = np.setdiff1d(np.arange(ROWS), grad.rows)
+    for asked, applied in ((np.unique(grad.rows), True), (untouched, False)):
         env = ps.env([grad])
         runner = BlockRunner(ps.block)
         rows_first = RowsFirst(env, {ps.grad: ps.split()}, lambda grads, e=env, r=runner: r.run(e))
         rows_first.hold([ps.grad])
-        before = env[ps.table].copy()
+        assert not rows_first.asked
         rows_first.first({ps.table: asked})
-        np.testing.assert_array_equal(env[ps.table], before)  # nothing applied yet: flush applies it whole
-        assert rows_first.counts["cut"] == 0 and rows_first.pending == [ps.grad]
+        assert rows_first.asked and rows_first.counts["cut"] == 0
+        np.testing.assert_array_equal(env[ps.table][asked], expected[ps.table][asked])  # up to date
+        assert rows_first.pending == ([] if applied else [ps.grad])
         rows_first.flush()
-        assert not np.array_equal(env[ps.table], before)
+        np.testing.assert_array_equal(env[ps.table], expected[ps.table])
+        assert rows_first.pending == [] and not rows_first.asked
+    # A table not asked for is not touched.
+    env = ps.env([grad])
+    rows_first = RowsFirst(env, {ps.grad: ps.split()}, lambda grads: pytest.fail("applied"))
+    rows_first.hold([ps.grad])
+    rows_first.first({"another_table.block0": np.arange(5)})
+    assert rows_first.pending == [ps.grad]
+
+
+def test_an_update_held_twice_is_refused():
+    ps = Pserver(OPTIMIZERS["sgd"], 1)
+    rows_first = RowsFirst(ps.env(gradients(1, 0)), {ps.grad: ps.split()}, lambda grads: None)
+    rows_first.hold([ps.grad])
+    with pytest.raises(ExecutionError, match="is held already"):
+        rows_first.hold([ps.grad])
 
 
 def test_only_row_local_updates_of_a_distributed_table_are_held():
