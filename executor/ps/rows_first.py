@@ -32,11 +32,11 @@ from fluidps.ir.program import Block
 from fluidps.ops.hashed_table import mix64
 from fluidps.ops.selected_rows import SelectedRows
 
-# Ops whose update of a sparse gradient's rows is row-local, and the outputs of each that
-# hold state shared by all rows. (Adam only lazily: otherwise it decays every row.)
+# Ops that combine the trainers' gradients (each row on its own), when they read only them.
+_ON_GRADIENTS = frozenset({"sum", "scale"})
+# Optimizers whose sparse update is row-local, and the outputs of each that hold state
+# shared by all rows. (Adam only lazily: otherwise it decays every row.)
 _SHARED_OUTPUTS = {
-    "sum": (),
-    "scale": (),
     "sgd": (),
     "momentum": (),
     "adagrad": (),
@@ -56,16 +56,24 @@ class SplitBlock:
 
 def split_block(block: Block, tables: Iterable[str], inputs: Iterable[str]) -> SplitBlock | None:
     """How `block`, reading gradients `inputs`, updates a table of `tables` by rows; None when
-    it does not (another parameter, or an update that is not row-local)."""
+    it does not: another parameter, an update that is not row-local, or an op that mixes
+    something else into the gradient (a regularizer reading the parameter) or writes
+    other state (Fluid 1.x's beta-power `scale` ops)."""
+    inputs = tuple(dict.fromkeys(inputs))
     params = {name for op in block.ops for name in op.inputs.get("Param", ())}
     if len(params) != 1 or not params <= set(tables):
         return None
-    scalars = []
+    gradients, scalars = set(inputs), []
     for op in block.ops:
-        if op.type not in _SHARED_OUTPUTS or (op.type == "adam" and not op.attr("lazy_mode")):
+        if op.type in _ON_GRADIENTS and set(op.input_arg_names) <= gradients:
+            gradients.update(op.output_arg_names)
+        elif op.type in _SHARED_OUTPUTS and set(op.inputs.get("Grad", ())) <= gradients:
+            if op.type == "adam" and not op.attr("lazy_mode"):
+                return None
+            scalars += [name for slot in _SHARED_OUTPUTS[op.type] for name in op.outputs.get(slot, ())]
+        else:
             return None
-        scalars += [name for slot in _SHARED_OUTPUTS[op.type] for name in op.outputs.get(slot, ())]
-    return SplitBlock(params.pop(), tuple(dict.fromkeys(inputs)), tuple(dict.fromkeys(scalars)))
+    return SplitBlock(params.pop(), inputs, tuple(dict.fromkeys(scalars)))
 
 
 @njit(cache=True)

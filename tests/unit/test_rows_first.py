@@ -12,6 +12,7 @@ from fluidps import layers, optimizer
 from fluidps.errors import ExecutionError
 from fluidps.executor.block_runner import BlockRunner
 from fluidps.executor.ps.rows_first import RowsFirst, split_block
+from fluidps.ops import REGISTRY
 from fluidps.ops.selected_rows import SelectedRows
 
 ENDPOINT = "127.0.0.1:6170"
@@ -154,6 +155,16 @@ def test_only_row_local_updates_of_a_distributed_table_are_held():
     assert split_block(ps.dense_block, [ps.table], ["fc_0.w_0@GRAD"]) is None  # not a table
     # Adam that is not lazy decays every row of the table each step: it cannot be cut.
     assert Pserver(lambda: optimizer.Adam(0.05), 1).split() is None
+    # Another input mixed into the gradient (a regularizer reading the table), or shared
+    # state written by another op (Fluid 1.x's beta-power scale ops): not cut.
+    power = split.scalars[0]
+    for inputs, output in (([ps.copies[0], ps.table], [ps.grad]), ([power], [power])):
+        program = ps.program.clone()
+        block = program.block(ps.block.idx)
+        REGISTRY.append_op(
+            block, "sum" if len(inputs) > 1 else "scale", {"X": inputs}, {"Out": output}, index=0
+        )
+        assert split_block(block, [ps.table], ps.copies) is None
     rows_first = RowsFirst(ps.env(gradients(2, 0)), {ps.grad: split}, lambda grads: None)
     assert rows_first.hold([ps.grad, "fc_0.w_0@GRAD"]) == ["fc_0.w_0@GRAD"]
     assert rows_first.holds([ps.table]) and not rows_first.holds(["fc_0.w_0"])
