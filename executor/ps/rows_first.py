@@ -139,9 +139,10 @@ class RowsFirst:
         again = [g for g in held if g in self.pending]
         if again:  # its gradient would have replaced the one held: a step lost
             raise ExecutionError(f"the update of {again} is held already; it must be applied before the next")
-        self.pending += held
-        self.asked = False
-        self.counts["held"] += len(held)
+        if held:
+            self.pending += held
+            self.asked = False  # (no PREFETCH has read from these yet)
+            self.counts["held"] += len(held)
         return [g for g in grads if g not in held]
 
     def first(self, asked: Mapping[str, np.ndarray]) -> None:
