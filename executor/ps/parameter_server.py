@@ -130,8 +130,11 @@ class ParameterServer:
         self.lock_of = {name: self.locks[i] for i in self.blocks for name in self.blocks[i].writes}
         self.checkpoints = Checkpointer(op, self.log, host.checkpoints)
         self.strategy = STRATEGIES[self.mode](self)
-        # Sync: a distributed table's update is held, and the rows a PREFETCH asks for applied first.
-        splits = self._split_blocks(program) if self.mode == "sync" else {}
+        # Sync with one trainer: a distributed table's update is held, and the rows its PREFETCH
+        # asks for applied first. (With several, the step waits for the last trainer's rows,
+        # which need most of the update anyway, and each cut adds work: 0.94-0.98x measured
+        # with two trainers on one pserver.)
+        splits = self._split_blocks(program) if self.mode == "sync" and self.fanin == 1 else {}
         self.rows_first = RowsFirst(
             env, splits, lambda grads: self.joined.run([self.grad_block[g] for g in grads], env)
         )

@@ -148,7 +148,12 @@ class RowsFirst:
     def first(self, asked: Mapping[str, np.ndarray]) -> None:
         """Bring the rows `asked` (table block -> row indices) names up to date: each held
         update of an asked table is applied to those rows now, the rest held (applied
-        whole when all its rows are asked for, or when it cannot be cut)."""
+        whole when all its rows are asked for, or when it cannot be cut). Cut once: a
+        later PREFETCH (another trainer's) has what is left applied whole, or each
+        trainer would add a part, and the pserver's work with it."""
+        if self.asked:
+            self.flush()
+            return
         whole, cuts = [], {}
         for grad in self.pending:
             block = self.blocks[grad]

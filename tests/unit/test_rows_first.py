@@ -139,6 +139,27 @@ def test_an_update_whose_rows_are_all_asked_for_is_applied_whole_and_one_none_ar
     assert rows_first.pending == [ps.grad]
 
 
+def test_a_second_prefetch_has_the_rest_applied_whole():
+    """Two trainers' PREFETCHes: the first cuts the update, the second has what is left
+    applied whole (not cut again), and the result is that of the whole update."""
+    ps = Pserver(OPTIMIZERS["lazy_adam"], 2)
+    grads = gradients(2, seed=4)
+    expected = ps.env(grads)
+    BlockRunner(ps.block).run(expected)
+    env = ps.env(grads)
+    runner = BlockRunner(ps.block)
+    runs = []
+    rows_first = RowsFirst(env, {ps.grad: ps.split()}, lambda g: runs.append(runner.run(env)))
+    rows_first.hold([ps.grad])
+    touched = np.unique(np.concatenate([g.rows for g in grads]))
+    rows_first.first({ps.table: touched[::4]})
+    assert rows_first.pending == [ps.grad] and len(runs) == 1
+    rows_first.first({ps.table: touched[1::4]})
+    assert rows_first.pending == [] and len(runs) == 2 and rows_first.counts["cut"] == 1
+    for name, value in ps.persistables(expected).items():
+        np.testing.assert_array_equal(env[name], value, err_msg=name)
+
+
 def test_an_update_held_twice_is_refused():
     ps = Pserver(OPTIMIZERS["sgd"], 1)
     rows_first = RowsFirst(ps.env(gradients(1, 0)), {ps.grad: ps.split()}, lambda grads: None)
