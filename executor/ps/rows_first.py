@@ -29,7 +29,7 @@ from numba import njit
 
 from fluidps.errors import ExecutionError
 from fluidps.ir.program import Block
-from fluidps.ops.hashed_table import mix64
+from fluidps.ops.hashed_table import IdIndex
 from fluidps.ops.selected_rows import SelectedRows
 
 # Ops that combine the trainers' gradients (each row on its own), when they read only them.
@@ -77,38 +77,21 @@ def split_block(block: Block, tables: Iterable[str], inputs: Iterable[str]) -> S
 
 
 @njit(cache=True)
-def _split_rows(rows, values, wanted):
-    """(rows, values) of the entries whose row is one of `wanted`, and of the others, each
-    in the gradient's order, in one pass. `wanted` goes into a hash set sized to it, so the
-    cost follows the batch, not the table."""
-    capacity = 16
-    while capacity < 2 * wanted.shape[0]:
-        capacity <<= 1
-    mask = capacity - 1
-    keys = np.empty(capacity, dtype=np.int64)
-    used = np.zeros(capacity, dtype=np.bool_)
-    for i in range(wanted.shape[0]):
-        x = wanted[i]
-        k = np.int64(mix64(x) & np.uint64(mask))
-        while used[k] and keys[k] != x:
-            k = (k + 1) & mask
-        used[k], keys[k] = True, x
+def _split_rows(rows, values, found):
+    """(rows, values) of the entries `found` marks (>= 0), and of the others, each in the
+    gradient's order, in one pass."""
     n = rows.shape[0]
     rows_in, rows_out = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     values_in, values_out = np.empty_like(values), np.empty_like(values)
     a = b = 0
     for i in range(n):
-        x = rows[i]
-        k = np.int64(mix64(x) & np.uint64(mask))
-        while used[k] and keys[k] != x:
-            k = (k + 1) & mask
-        if used[k]:
-            rows_in[a] = x
+        if found[i] >= 0:
+            rows_in[a] = rows[i]
             for j in range(values.shape[1]):
                 values_in[a, j] = values[i, j]
             a += 1
         else:
-            rows_out[b] = x
+            rows_out[b] = rows[i]
             for j in range(values.shape[1]):
                 values_out[b, j] = values[i, j]
             b += 1
@@ -166,7 +149,9 @@ class RowsFirst:
             ):
                 whole.append(grad)
                 continue
-            wanted = np.asarray(asked[block.table], dtype=np.int64)
+            # The asked rows in a hash index sized to them: the cost follows the batch, not the table.
+            wanted = IdIndex(2 * len(asked[block.table]))  # (at half load: no regrowing)
+            wanted.add(np.asarray(asked[block.table], dtype=np.int64), 0)
             parts = [_cut(v, wanted) for v in values]
             now = sum(len(first.rows) for first, _ in parts)
             later = sum(len(rest.rows) for _, rest in parts)
@@ -227,10 +212,10 @@ class RowsFirst:
         return isinstance(self._env.get(name), np.ndarray)  # a hashed table updates by id: not cut
 
 
-def _cut(value: SelectedRows, wanted: np.ndarray) -> tuple[SelectedRows, SelectedRows]:
-    """`value`'s entries of the rows `wanted`, and the others."""
+def _cut(value: SelectedRows, wanted: IdIndex) -> tuple[SelectedRows, SelectedRows]:
+    """`value`'s entries of the rows `wanted` holds, and the others."""
     values = value.value.reshape(len(value.rows), -1)
-    rows_in, values_in, rows_out, values_out = _split_rows(value.rows, values, wanted)
+    rows_in, values_in, rows_out, values_out = _split_rows(value.rows, values, wanted.find(value.rows))
     shape = value.value.shape[1:]
     return (
         SelectedRows(rows_in, values_in.reshape(-1, *shape), value.height),
