@@ -171,9 +171,7 @@ class ParameterServer:
                 self.strategy.restore(restored)
             self.strategy.start()
             while not self.members.done and self._stop_reason is None:
-                for request in self.server.receive(0.05, wake=self._waker.socket):
-                    self.last_heard = time.monotonic()
-                    self._handle(request)
+                self._handle_all(self.server.receive(0.05, wake=self._waker.socket))
                 self._check_trainers()
                 self._retry_claims()
                 self._check_rejoin()
@@ -213,9 +211,7 @@ class ParameterServer:
             if not waiting:
                 self._apply_held()
                 return
-            for request in waiting:
-                self.last_heard = time.monotonic()
-                self._handle(request)
+            self._handle_all(waiting)
 
     def _apply_held(self, asked: dict[str, np.ndarray] | None = None) -> None:
         """Apply the held table updates: the rows `asked` (a PREFETCH's) only, or all."""
@@ -277,6 +273,11 @@ class ParameterServer:
         return pserver_stats.snapshot(self, compact)
 
     # -- requests ---------------------------------------------------------------------------
+
+    def _handle_all(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.last_heard = time.monotonic()
+            self._handle(request)
 
     def _handle(self, request: Request) -> None:
         msg = request.msg
