@@ -10,6 +10,12 @@ brought up to date first (`first`: the gradient cut to those rows, applied), and
 answered; the rest is applied once no request waits, while the trainer computes
 (`flush`). Anything else that reads a table with an update held applies it first.
 
+The cut costs the batch, not the table: the asked rows are stamped in an array of the
+table's height (an int32 a row, a fourth of an Adam table's float32 row of 8, kept from
+cut to cut with a new stamp each time, so nothing is cleared), and the gradient's
+entries read their stamps. Only the asked entries are copied before the answer; the
+rest is copied when it is applied.
+
 Exact: the updates this applies to are row-local (each row's new values depend on its
 own values, state and gradient rows, and on values shared by all rows, such as the
 learning rate and Adam's beta powers). A row's gradient entries keep their order in
@@ -29,7 +35,6 @@ from numba import njit
 
 from fluidps.errors import ExecutionError
 from fluidps.ir.program import Block
-from fluidps.ops.hashed_table import IdIndex
 from fluidps.ops.selected_rows import SelectedRows
 
 # Ops that combine the trainers' gradients (each row on its own), when they read only them.
@@ -77,25 +82,57 @@ def split_block(block: Block, tables: Iterable[str], inputs: Iterable[str]) -> S
 
 
 @njit(cache=True)
-def _split_rows(rows, values, found):
-    """(rows, values) of the entries `found` marks (>= 0), and of the others, each in the
-    gradient's order, in one pass."""
-    n = rows.shape[0]
-    rows_in, rows_out = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-    values_in, values_out = np.empty_like(values), np.empty_like(values)
-    a = b = 0
-    for i in range(n):
-        if found[i] >= 0:
-            rows_in[a] = rows[i]
+def _mark_asked(marks, stamp, asked, rows, out):
+    """Stamp the `asked` rows in `marks` (one entry a table row), then out[i] = whether
+    rows[i] carries the stamp: O(batch), the marks array kept from cut to cut (a new
+    stamp each time, so nothing is cleared). Returns how many are asked, or -1 when an
+    index is outside the table (then `out` is unfinished)."""
+    height = marks.shape[0]
+    for j in range(asked.shape[0]):
+        if asked[j] < 0 or asked[j] >= height:
+            return -1
+        marks[asked[j]] = stamp
+    n = 0
+    for i in range(rows.shape[0]):
+        if rows[i] < 0 or rows[i] >= height:
+            return -1
+        out[i] = marks[rows[i]] == stamp
+        n += out[i]
+    return n
+
+
+@njit(cache=True)
+def _entries(rows, values, mask, keep):
+    """(rows, values) of the entries whose `mask` is `keep`, in the gradient's order."""
+    n = 0
+    for i in range(rows.shape[0]):
+        n += mask[i] == keep
+    rows_out = np.empty(n, dtype=np.int64)
+    values_out = np.empty((n, values.shape[1]), dtype=values.dtype)
+    a = 0
+    for i in range(rows.shape[0]):
+        if mask[i] == keep:
+            rows_out[a] = rows[i]
             for j in range(values.shape[1]):
-                values_in[a, j] = values[i, j]
+                values_out[a, j] = values[i, j]
             a += 1
-        else:
-            rows_out[b] = rows[i]
-            for j in range(values.shape[1]):
-                values_out[b, j] = values[i, j]
-            b += 1
-    return rows_in[:a], values_in[:a], rows_out[:b], values_out[:b]
+    return rows_out, values_out
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A gradient cut by the rows a PREFETCH asked for: `mask` marks them among its entries."""
+
+    value: SelectedRows
+    mask: np.ndarray
+    asked: int  # how many entries it marks
+
+    def part(self, asked: bool) -> SelectedRows:
+        """The entries of the asked rows, or of the others (made when applied: the rest
+        is copied while the trainer computes, not before the answer)."""
+        value = self.value
+        rows, values = _entries(value.rows, value.value.reshape(len(value.rows), -1), self.mask, asked)
+        return SelectedRows(rows, values.reshape(-1, *value.value.shape[1:]), value.height)
 
 
 class RowsFirst:
@@ -112,6 +149,10 @@ class RowsFirst:
         self.blocks = dict(blocks)
         self._run = run
         self.pending: list[str] = []
+        self._rests: dict[str, list[_Cut]] = {}  # held updates cut by a first part: what is left
+        # Per table: the rows asked for, marked with the stamp of their cut (see _mark_asked).
+        self._marks: dict[str, np.ndarray] = {}
+        self._stamp = 0
         # A PREFETCH has read from what is held: the rest is applied as soon as nothing waits.
         self.asked = False
         self.counts = {"held": 0, "cut": 0, "rows_first": 0, "rows_after": 0}
@@ -149,12 +190,9 @@ class RowsFirst:
             ):
                 whole.append(grad)
                 continue
-            # The asked rows in a hash index sized to them: the cost follows the batch, not the table.
-            wanted = IdIndex(2 * len(asked[block.table]))  # (at half load: no regrowing)
-            wanted.add(np.asarray(asked[block.table], dtype=np.int64), 0)
-            parts = [_cut(v, wanted) for v in values]
-            now = sum(len(first.rows) for first, _ in parts)
-            later = sum(len(rest.rows) for _, rest in parts)
+            parts = [self._cut(v, block.table, asked[block.table]) for v in values]
+            now = sum(cut.asked for cut in parts)
+            later = sum(len(cut.mask) for cut in parts) - now
             if now and later:
                 cuts[grad] = parts
                 self.counts["rows_first"] += now
@@ -168,7 +206,24 @@ class RowsFirst:
         if cuts:
             self._apply_first(cuts)
 
-    def _apply_first(self, cuts: dict[str, list[tuple[SelectedRows, SelectedRows]]]) -> None:
+    def _cut(self, value: SelectedRows, table: str, asked: np.ndarray) -> _Cut:
+        """`value` cut by the `asked` rows of `table`, which they are marked in (see _mark_asked)."""
+        if self._stamp == np.iinfo(np.int32).max:  # (a fresh start, rather than stamps that repeat)
+            self._marks.clear()
+            self._stamp = 0
+        self._stamp += 1
+        height = len(self._env[table])
+        marks = self._marks.get(table)
+        if marks is None or len(marks) != height:
+            marks = self._marks[table] = np.zeros(height, dtype=np.int32)
+        mask = np.empty(len(value.rows), dtype=np.bool_)
+        rows = np.asarray(value.rows, dtype=np.int64)
+        found = _mark_asked(marks, self._stamp, np.asarray(asked, dtype=np.int64), rows, mask)
+        if found < 0:  # (checked where they arrived: a caller's bug)
+            raise ExecutionError(f"rows asked of or updated in {table!r} are outside its {height} rows")
+        return _Cut(value, mask, found)
+
+    def _apply_first(self, cuts: dict[str, list[_Cut]]) -> None:
         """Apply the first part of each cut update, leaving its shared state as it was, and
         hold the rest in place of the whole."""
         grads = list(cuts)
@@ -176,7 +231,7 @@ class RowsFirst:
             name: self._env[name] for g in grads for name in self.blocks[g].scalars if name in self._env
         }
         saved = {name: value.copy() for name, value in shared.items()}
-        self._give(cuts, 0)
+        self._give(cuts, asked=True)
         try:
             self._run(grads)
         except BaseException:
@@ -187,14 +242,14 @@ class RowsFirst:
             for name, value in shared.items():
                 np.copyto(value, saved[name])
                 self._env[name] = value
-        self._give(cuts, 1)
+        self._rests.update(cuts)
         self.counts["cut"] += len(grads)
 
-    def _give(self, cuts: dict[str, list[tuple[SelectedRows, SelectedRows]]], part: int) -> None:
-        """Put part 0 (the rows asked for) or 1 (the rest) of each cut gradient in place of it."""
+    def _give(self, cuts: dict[str, list[_Cut]], asked: bool) -> None:
+        """Put the part of each cut gradient of the rows asked for (or of the rest) in its place."""
         for grad, parts in cuts.items():
-            for name, pair in zip(self.blocks[grad].inputs, parts, strict=True):
-                self._env[name] = pair[part]
+            for name, cut in zip(self.blocks[grad].inputs, parts, strict=True):
+                self._env[name] = cut.part(asked)
 
     def holds(self, names: Iterable[str]) -> bool:
         """Whether an update held writes a table of `names`."""
@@ -206,18 +261,9 @@ class RowsFirst:
         self.asked = False
         if self.pending:
             grads, self.pending = self.pending, []
+            rests, self._rests = self._rests, {}
+            self._give(rests, asked=False)
             self._run(grads)
 
     def _is_array(self, name: str) -> bool:
         return isinstance(self._env.get(name), np.ndarray)  # a hashed table updates by id: not cut
-
-
-def _cut(value: SelectedRows, wanted: IdIndex) -> tuple[SelectedRows, SelectedRows]:
-    """`value`'s entries of the rows `wanted` holds, and the others."""
-    values = value.value.reshape(len(value.rows), -1)
-    rows_in, values_in, rows_out, values_out = _split_rows(value.rows, values, wanted.find(value.rows))
-    shape = value.value.shape[1:]
-    return (
-        SelectedRows(rows_in, values_in.reshape(-1, *shape), value.height),
-        SelectedRows(rows_out, values_out.reshape(-1, *shape), value.height),
-    )

@@ -65,21 +65,27 @@ class Pserver:
         return {n: env[n] for n, v in self.program.global_block().vars.items() if v.persistable and n in env}
 
 
-def gradients(copies, seed):
-    """A SelectedRows per trainer, with repeated rows."""
+def gradients(copies, seed, unique=False):
+    """A SelectedRows per trainer, with repeated rows; or, `unique`, with each row once,
+    as a trainer's distributed lookup sends them (in no order either way)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(copies):
         rows = rng.integers(0, ROWS, 60)
-        out.append(SelectedRows(rows, rng.standard_normal((60, WIDTH)).astype(np.float32), ROWS))
+        if unique:
+            rows = rng.permutation(np.unique(rows))
+        out.append(SelectedRows(rows, rng.standard_normal((len(rows), WIDTH)).astype(np.float32), ROWS))
     return out
 
 
+@pytest.mark.parametrize("unique", [False, True], ids=["repeated_rows", "unique_rows"])
 @pytest.mark.parametrize("trainers", [1, 2])
 @pytest.mark.parametrize("rule", sorted(OPTIMIZERS))
-def test_the_rows_asked_for_are_final_first_and_the_whole_update_is_bit_for_bit_the_same(rule, trainers):
+def test_the_rows_asked_for_are_final_first_and_the_whole_update_is_bit_for_bit_the_same(
+    rule, trainers, unique
+):
     ps = Pserver(OPTIMIZERS[rule], trainers)
-    grads = gradients(trainers, seed=1)
+    grads = gradients(trainers, seed=1, unique=unique)
     whole = ps.env(grads)
     runner = BlockRunner(ps.block)
     for _ in range(3):  # a few steps: Adam's beta powers move once a step, not once a part
@@ -204,3 +210,28 @@ def test_a_first_part_that_fails_is_not_applied_again_and_leaves_the_shared_stat
     assert rows_first.pending == []
     for name, value in powers.items():
         np.testing.assert_array_equal(env[name], value)
+
+
+def test_the_marks_of_asked_rows_start_afresh_when_their_stamps_run_out():
+    """The asked rows are marked with a new stamp each cut; rows marked by earlier cuts
+    (of this table or another) are never taken for asked ones, past the last stamp too."""
+    ps = Pserver(OPTIMIZERS["sgd"], 1)
+    grads = [gradients(1, seed=s)[0] for s in range(4)]
+    expected = ps.env(grads[:1])
+    runner = BlockRunner(ps.block)
+    env = ps.env(grads[:1])
+    rows_first = RowsFirst(env, {ps.grad: ps.split()}, lambda g: runner.run(env))
+    rows_first._stamp = np.iinfo(np.int32).max - 2  # three cuts from running out
+    for step, grad in enumerate(grads):
+        env[ps.grad] = expected[ps.grad] = grad
+        BlockRunner(ps.block).run(expected)
+        rows_first.hold([ps.grad])
+        asked = np.unique(grad.rows)[step::3]
+        before = rows_first.counts["rows_first"]
+        rows_first.first({ps.table: asked})
+        np.testing.assert_array_equal(env[ps.table][asked], expected[ps.table][asked])
+        # Only this cut's rows count as asked: none of an earlier cut's.
+        assert rows_first.counts["rows_first"] - before == np.isin(grad.rows, asked).sum()
+        rows_first.flush()
+        np.testing.assert_array_equal(env[ps.table], expected[ps.table])
+    assert rows_first.counts["cut"] == 4 and rows_first._stamp == 2
