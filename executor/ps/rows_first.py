@@ -11,7 +11,7 @@ answered; the rest is applied once no request waits, while the trainer computes
 (`flush`). Anything else that reads a table with an update held applies it first.
 
 The cut costs the batch, not the table: the asked rows are stamped in an array of the
-table's height (an int32 a row, a fourth of an Adam table's float32 row of 8, kept from
+table's height (an int32 a row, an eighth of a row of 8 float32 values, kept from
 cut to cut with a new stamp each time, so nothing is cleared), and the gradient's
 entries read their stamps. Only the asked entries are copied before the answer; the
 rest is copied when it is applied.
