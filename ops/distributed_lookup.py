@@ -234,16 +234,20 @@ def _distributed_lookup_kernel(op: KernelOp) -> Runner:
         ahead = planned.pop() if planned else None
         flat = _flat(checked)
         p = ahead if ahead is not None and np.array_equal(ahead.flat, flat) else plan(flat)
-        rows = np.empty((len(p.unique), width), dtype=dtype)
         replies = trainer.prefetch(p.items, spec.trainer_id) if p.items else []
-        for (_, where, _), (endpoint, name, asked), got in zip(p.groups, p.items, replies, strict=True):
+        for (endpoint, name, asked), got in zip(p.items, replies, strict=True):
             if got.shape != (len(asked), width) or got.dtype != dtype:
                 raise ExecutionError(
                     f"{op.type}: pserver {endpoint} answered {got.dtype}{list(got.shape)} for {len(asked)} rows of "
                     f"{name!r} (table {spec.table!r}), expected {np.dtype(dtype)}{[len(asked), width]}: "
                     "the pserver's program does not match this trainer's; transpile them together"
                 )
-            rows[where] = got
+        if len(replies) == 1 and isinstance(p.groups[0][1], slice):
+            rows = replies[0]  # one pserver holds every row: its answer, in order
+        else:
+            rows = np.empty((len(p.unique), width), dtype=dtype)
+            for (_, where, _), got in zip(p.groups, replies, strict=True):
+                rows[where] = got
         # (np.take: 10x faster than rows[inverse] on a CTR batch's 13k rows)
         if spec.has_pad:
             gathered = np.zeros((len(flat), width), dtype=dtype)
