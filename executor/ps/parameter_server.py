@@ -145,6 +145,21 @@ class ParameterServer:
         self._started = time.monotonic()
         self._alone_since: float | None = None  # when the last trainer not done was evicted
         self._stall = (0, time.monotonic())  # the progress counted, and since when requests wait on it
+        self._handlers: dict[int, Callable[[Request], None]] = {
+            Kind.HELLO: lambda r: self.server.reply(r),
+            Kind.SEND: self._on_send,
+            Kind.GET: self._on_get,
+            Kind.PREFETCH: self._on_prefetch,
+            Kind.SEND_BARRIER: self._on_send_barrier,
+            Kind.FETCH_BARRIER: lambda r: self.server.reply(r),
+            Kind.COMPLETE: self._on_complete,
+            Kind.PAUSE: self._on_pause,
+            Kind.SET: self._on_set,
+            Kind.STATS: lambda r: self.server.reply(
+                r, Message(Kind.VALUES, text=json.dumps(self.stats(compact=True)))
+            ),
+            Kind.CHECKPOINT: self._on_checkpoint,
+        }
 
     def _split_blocks(self, program: Any) -> dict[str, SplitBlock]:
         """The optimize blocks whose distributed table update cuts by rows (rows_first.py)."""
@@ -306,21 +321,7 @@ class ParameterServer:
                 self.server.log_rejected(f"refused {msg.kind_name} as trainer {msg.trainer_id}: {e}")
                 self.server.error(request, f"{self.name}: {e}")
                 return
-        handler = {
-            Kind.HELLO: lambda r: self.server.reply(r),
-            Kind.SEND: self._on_send,
-            Kind.GET: self._on_get,
-            Kind.PREFETCH: self._on_prefetch,
-            Kind.SEND_BARRIER: self._on_send_barrier,
-            Kind.FETCH_BARRIER: lambda r: self.server.reply(r),
-            Kind.COMPLETE: self._on_complete,
-            Kind.PAUSE: self._on_pause,
-            Kind.SET: self._on_set,
-            Kind.STATS: lambda r: self.server.reply(
-                r, Message(Kind.VALUES, text=json.dumps(self.stats(compact=True)))
-            ),
-            Kind.CHECKPOINT: self._on_checkpoint,
-        }.get(msg.kind)
+        handler = self._handlers.get(msg.kind)
         if handler is None:
             self.server.error(request, f"{self.name} does not handle {msg.kind_name} messages")
             return
@@ -531,11 +532,9 @@ class ParameterServer:
                 table.check_ids(rows, f"a prefetch of {name!r}")  # ids >= 0 that this shard owns
                 continue
             height = np.shape(table)[0]
-            bad = np.flatnonzero((rows < 0) | (rows >= height))
-            if bad.size:
-                raise ExecutionError(
-                    f"row {int(rows[bad[0]])} asked of table block {name!r} is outside its {height} rows"
-                )
+            if rows.size and (rows.min() < 0 or rows.max() >= height):
+                bad = int(rows[np.flatnonzero((rows < 0) | (rows >= height))[0]])
+                raise ExecutionError(f"row {bad} asked of table block {name!r} is outside its {height} rows")
         self._pull(request)
 
     def _pull(self, request: Request) -> None:

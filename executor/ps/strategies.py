@@ -114,10 +114,7 @@ class Strategy:
     def read_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows of a distributed table's block (a copy), safe to send while workers update it."""
         with self.ps.locked(name):
-            table = self.ps.env[name]
-            if isinstance(table, SparseTable):
-                return table.lookup(rows)  # ids; those without a row read their initial values
-            return np.take(table, rows, axis=0)
+            return _rows_of(self.ps.env[name], rows)
 
     def answered(self, trainer: int) -> None:
         """A GET of `trainer` was answered."""
@@ -216,6 +213,9 @@ class SyncStrategy(Strategy):
 
     def read(self, name: str) -> Any:
         return self.ps.env[name]  # nothing changes it until every trainer has fetched
+
+    def read_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        return _rows_of(self.ps.env[name], rows)  # (no worker thread updates it meanwhile)
 
     def stats(self) -> dict[str, Any]:
         return {"completed_steps": self.completed, "rounds": self.rounds}
@@ -400,3 +400,11 @@ class SspStrategy(AsyncStrategy):
 
 
 STRATEGIES: dict[str, type[Strategy]] = {s.mode: s for s in (SyncStrategy, AsyncStrategy, SspStrategy)}
+
+
+def _rows_of(table: Any, rows: np.ndarray) -> np.ndarray:
+    """Rows of a distributed table's block, a copy: of a hashed one by id (ids without a
+    row read their initial values), of a fixed one by index."""
+    if isinstance(table, SparseTable):
+        return table.lookup(rows)
+    return np.take(table, rows, axis=0)

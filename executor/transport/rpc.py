@@ -367,6 +367,7 @@ class RpcServer:
         # (trainer id, sender incarnation) -> its silence: when any message of it last
         # arrived (heartbeats included), and the gaps between them.
         self.heard: dict[tuple[int, int], SilenceClock] = {}
+        self._poller: tuple[zmq.Socket, zmq.Poller] | None = None  # (wake socket, poller of both)
 
     def receive(self, timeout: float, wake: zmq.Socket | None = None) -> list[Request]:
         """Requests that arrived within `timeout` seconds; heartbeats, repeats and
@@ -376,10 +377,12 @@ class RpcServer:
         if wake is None:
             ready = self._socket.poll(int(timeout * 1000))
         else:
-            poller = zmq.Poller()
-            poller.register(self._socket, zmq.POLLIN)
-            poller.register(wake, zmq.POLLIN)
-            events = dict(poller.poll(int(timeout * 1000)))
+            if self._poller is None or self._poller[0] is not wake:
+                poller = zmq.Poller()
+                poller.register(self._socket, zmq.POLLIN)
+                poller.register(wake, zmq.POLLIN)
+                self._poller = (wake, poller)
+            events = dict(self._poller[1].poll(int(timeout * 1000)))
             while wake in events:
                 try:
                     wake.recv(zmq.NOBLOCK)
