@@ -192,6 +192,21 @@ class _RowSlots:
 
 
 @njit(cache=True)
+def _repeats(rows, slots):
+    """Whether some row comes twice (`slots` as _merge uses them, left as found)."""
+    n = rows.shape[0]
+    seen = n
+    for i in range(n):
+        if slots[rows[i]] >= 0:
+            seen = i
+            break
+        slots[rows[i]] = 0
+    for k in range(seen):
+        slots[rows[k]] = -1
+    return seen < n
+
+
+@njit(cache=True)
 def _merge(rows, g, slots):
     """(unique rows in first-seen order, their summed values): duplicates add up in
     gradient order, as SelectedRows.to_dense adds them, so results match it bit for bit."""
@@ -422,7 +437,9 @@ class _Step:
             raise ExecutionError(
                 f"{self.op.type}: Grad {name!r} names row {int(rows[bad])} of a {height}-row parameter"
             )
-        if merge and rows.shape[0] > 1:
+        # (A gradient whose rows come once each, as a trainer sums a distributed table's,
+        # has nothing to merge: it is applied as it came, not copied.)
+        if merge and rows.shape[0] > 1 and _repeats(rows, self.slots.get(height)):
             rows, value = _merge(rows, value, self.slots.get(height))
             if sort:
                 order = np.argsort(rows)

@@ -463,10 +463,13 @@ def test_duplicate_rows_are_merged(op_type, attrs):
     g = SelectedRows(np.array([4, 1, 4, 4]), RNG.normal(size=(4, 2)), 6)
     dup = Optimizer(op_type, state, g, attrs)
     merged = Optimizer(op_type, state, g, attrs)
+    once = g.merged()  # each row once: applied as it came, not copied first
+    given = once.value.copy()
     dup.step(g)
-    merged.step(g.merged())
+    merged.step(once)
     for name in state:
         np.testing.assert_array_equal(dup[name], merged[name], err_msg=name)
+    np.testing.assert_array_equal(once.value, given)  # and left as it was
     # And the touched rows follow the formula with the summed gradient.
     rows = np.array([1, 4])
     want = {k: v.copy() for k, v in state.items()}
