@@ -29,7 +29,10 @@ RUN message, 4 by default), and the same jobs the Fluid way
 itself its rows of each batch, no client; `--runners` picks, and `--runners
 launch-bound` runs them with `fluidps launch --bind-cores`), next to fluidps.Executor on the same programs
 and batches ("local" rows) and, when PyTorch is importable, bench.local's
-PyTorch models (torch rows: the digits one trains with SGD, not Adam).
+PyTorch models (torch rows: the digits one trains with SGD, not Adam). A job row's
+vs_local is its rate over the mean of two local rates, timed just before and just after
+it (`local_around`): the machine drifts by up to a third over a run, and a ratio against
+one local row timed minutes earlier would measure the drift.
 
 Ceiling (compiled digits_mlp with 1x1 and 2x1 sync jobs, ctr_distributed with 1x1): a
 row with "runner": "raw pyzmq (ceiling)" (bench.ceiling): the same forward and backward,
@@ -136,17 +139,36 @@ def training_row(w: Workload, mode: str, trainers: int, pservers: int, rate: flo
 
 def run_local(w: Workload, repeats: int, warmup: int, compiled: bool) -> tuple[float, float]:
     """(samples/s, last loss) of fluidps.Executor on the workload."""
-    main, startup, loss = w.build()
-    exe = fluidps.Executor(compile=compiled)
-    exe.run(startup)
-    last = []
+    local = LocalRuns(w, repeats, warmup, compiled)
+    return local.rate(), local.loss
 
-    def step(i: int) -> None:
-        last[:] = exe.run(main, feed=w.batches[i % len(w.batches)], fetch_list=[loss])
 
-    rate = timed(step, w.steps, repeats, warmup)
-    batch = len(next(iter(w.batches[0].values())))
-    return rate * batch, float(last[0])
+class LocalRuns:
+    """fluidps.Executor on the workload, built once and timed again on demand: a job row's
+    vs_local is against the mean of the local rates timed just before and just after it, so
+    that the machine drifting between the two (up to a third here) does not make the ratio."""
+
+    def __init__(self, w: Workload, repeats: int, warmup: int, compiled: bool):
+        main, startup, loss = w.build()
+        self._exe = fluidps.Executor(compile=compiled)
+        self._exe.run(startup)
+        self._w, self._main, self._loss, self._repeats = w, main, loss, repeats
+        self._warmup = warmup
+        self.loss = float("nan")
+        self.batch = len(next(iter(w.batches[0].values())))
+
+    def rate(self) -> float:
+        """Samples/s: the median of `repeats` windows (after a warm-up, the first time a
+        longer one, through the compile)."""
+        w, last = self._w, []
+
+        def step(i: int) -> None:
+            last[:] = self._exe.run(self._main, feed=w.batches[i % len(w.batches)], fetch_list=[self._loss])
+
+        rate = timed(step, w.steps, self._repeats, self._warmup)
+        self._warmup = min(self._warmup, 5)
+        self.loss = float(last[0])
+        return rate * self.batch
 
 
 @dataclass(frozen=True)
@@ -288,11 +310,13 @@ def bench_training(
     w: Workload, torch, repeats: int, warmup: int, topologies, modes, options: JobOptions
 ) -> None:
     """The workload's rows: local (and PyTorch's, when importable), then every job, with
-    the executor `options` says; each job's vs_local is against the local row of its executor."""
+    the executor `options` says; each job's vs_local is against the local rates of its executor
+    timed just before and just after it (`local_around`; LocalRuns)."""
     executor = "compiled" if options.compiled else "interpreted"
-    local, local_loss = run_local(w, repeats, warmup, options.compiled)
+    local_runs = LocalRuns(w, repeats, warmup, options.compiled)
+    local = before = local_runs.rate()
     local_row = training_row(
-        w, "local", 1, 0, local, steps=w.steps * repeats, loss=round(local_loss, 4), impl="fluidps"
+        w, "local", 1, 0, local, steps=w.steps * repeats, loss=round(local_runs.loss, 4), impl="fluidps"
     )
     print(json.dumps({**local_row, "executor": executor}), flush=True)
     if torch is not None:
@@ -326,7 +350,12 @@ def bench_training(
                     rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup, options)
                     fields = {"runner": "RemoteExecutor", **fields}
                 row = training_row(w, mode, trainers, pservers, rate, **fields, impl="fluidps")
-                row.update(executor=executor, vs_local=round(rate / local, 3))
+                before, bracket = _bracket(local_runs, before)
+                row.update(
+                    executor=executor,
+                    vs_local=round(rate / statistics.mean(bracket), 3),
+                    local_around=bracket,
+                )
                 print(json.dumps(row), flush=True)
             if mode == "sync" and options.compiled and (trainers, pservers) in CEILINGS.get(w.name, ()):
                 # The same exchange over raw pyzmq, nothing else: what a sync job could reach
@@ -344,14 +373,22 @@ def bench_training(
                         steps=w.steps * repeats,
                         loss=round(loss, 4),
                     )
+                    before, bracket = _bracket(local_runs, before)
                     row.update(
                         impl="bench.ceiling",
                         executor=executor,
-                        vs_local=round(rate / local, 3),
+                        vs_local=round(rate / statistics.mean(bracket), 3),
+                        local_around=bracket,
                         processes=processes,
                     )
                     row["processes_per_core"] = round(processes / CORES, 2)
                     print(json.dumps(row), flush=True)
+
+
+def _bracket(local_runs: LocalRuns, before: float) -> tuple[float, list[float]]:
+    """The local rate timed now (the next row's `before`), and [before, now] rounded."""
+    after = local_runs.rate()
+    return after, [round(before, 1), round(after, 1)]
 
 
 def mib(nbytes: int) -> float:

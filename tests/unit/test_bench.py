@@ -145,6 +145,14 @@ def test_distributed_bench_quick_smoke_run():
         assert r["global_batch"] == 128 and r["steps"] > 0
         assert r["samples_per_s"] > 0 and r["loss"] > 0
     assert job["setup_s"] > 0 and job["vs_local"] > 0
+    for row in (job, launched, training[6]):
+        # Against the local rates timed around it: the first is the one before (the local row's
+        # for the first job), the second the next row's first.
+        before, after = row["local_around"]
+        assert before > 0 and after > 0
+        assert row["vs_local"] == pytest.approx(row["samples_per_s"] / ((before + after) / 2), rel=1e-2)
+    assert job["local_around"][0] == pytest.approx(training[0]["samples_per_s"], abs=0.1)
+    assert launched["local_around"][0] == job["local_around"][1]
     assert sorted((r["op"], r["path"]) for r in bandwidth) == [
         ("pull", "fluidps exe.scope"),
         ("pull", "pyzmq copy=False"),
