@@ -437,10 +437,12 @@ class _Step:
             raise ExecutionError(
                 f"{self.op.type}: Grad {name!r} names row {int(rows[bad])} of a {height}-row parameter"
             )
-        # (A gradient whose rows come once each, as a trainer sums a distributed table's,
-        # has nothing to merge: it is applied as it came, not copied.)
-        if merge and rows.shape[0] > 1 and _repeats(rows, self.slots.get(height)):
-            rows, value = _merge(rows, value, self.slots.get(height))
+        if merge and rows.shape[0] > 1:
+            # (A gradient whose rows come once each, as a trainer sums a distributed table's,
+            # has nothing to merge: it is applied as it came, not copied.)
+            slots = self.slots.get(height)
+            if _repeats(rows, slots):
+                rows, value = _merge(rows, value, slots)
             if sort:
                 order = np.argsort(rows)
                 rows, value = rows[order], value[order]

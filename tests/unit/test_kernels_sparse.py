@@ -345,9 +345,10 @@ def _next_powers(opt, state, attrs):
     }
 
 
+@pytest.mark.parametrize("unique", [False, True], ids=["repeated_rows", "unique_rows"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("attrs", [{"lazy_mode": False}, {"lazy_mode": False, "beta1": 0.5, "epsilon": 1e-3}])
-def test_sparse_adam_is_the_dense_update_with_next_powers(attrs, dtype):
+def test_sparse_adam_is_the_dense_update_with_next_powers(attrs, dtype, unique):
     """Non-lazy sparse Adam updates every row, as the dense update of the densified
     gradient does, but (as Fluid's sparse kernel, which writes the in-place beta powers
     before it reads them; PaddlePaddle's own numbers show it) it bias-corrects with
@@ -358,7 +359,8 @@ def test_sparse_adam_is_the_dense_update_with_next_powers(attrs, dtype):
     dense = Optimizer("adam", state, np.zeros((20, 3), dtype), attrs, pows=False)
     want = {k: v.copy() for k, v in state.items()}
     for step in range(3):
-        g = _sparse_grad(20, 3, 8, dtype)
+        # (Rows each once, in no order, are sorted for the walk over every row, as merged ones are.)
+        g = _sparse_grad(20, 3, 8, dtype, rows=RNG.permutation(20)[:8] if unique else None)
         for name, value in _next_powers(sparse, state, attrs).items():
             dense.scope[name] = value
         sparse.step(g)
