@@ -235,3 +235,14 @@ def test_the_marks_of_asked_rows_start_afresh_when_their_stamps_run_out():
         rows_first.flush()
         np.testing.assert_array_equal(env[ps.table], expected[ps.table])
     assert rows_first.counts["cut"] == 4 and rows_first._stamp == 2
+
+
+def test_rows_outside_the_table_are_refused_not_marked():
+    """Rows are checked where they arrive (the SEND, the PREFETCH); should one reach the cut
+    anyway, it is refused naming the table, and nothing outside the marks is written."""
+    ps = Pserver(OPTIMIZERS["sgd"], 1)
+    env = ps.env(gradients(1, seed=5))
+    rows_first = RowsFirst(env, {ps.grad: ps.split()}, lambda grads: pytest.fail("applied"))
+    rows_first.hold([ps.grad])
+    with pytest.raises(ExecutionError, match=rf"{ps.table}.* outside its {ROWS} rows"):
+        rows_first.first({ps.table: np.array([1, ROWS])})
