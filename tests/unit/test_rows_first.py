@@ -214,7 +214,7 @@ def test_a_first_part_that_fails_is_not_applied_again_and_leaves_the_shared_stat
 
 def test_the_marks_of_asked_rows_start_afresh_when_their_stamps_run_out():
     """The asked rows are marked with a new stamp each cut; rows marked by earlier cuts
-    (of this table or another) are never taken for asked ones, past the last stamp too."""
+    are never taken for asked ones, past the last stamp too."""
     ps = Pserver(OPTIMIZERS["sgd"], 1)
     grads = [gradients(1, seed=s)[0] for s in range(4)]
     expected = ps.env(grads[:1])
@@ -239,7 +239,7 @@ def test_the_marks_of_asked_rows_start_afresh_when_their_stamps_run_out():
 
 def test_rows_outside_the_table_are_refused_not_marked():
     """Rows are checked where they arrive (the SEND, the PREFETCH); should one reach the cut
-    anyway, it is refused naming the table, and nothing outside the marks is written."""
+    anyway, it is refused, naming the table, before anything is applied."""
     ps = Pserver(OPTIMIZERS["sgd"], 1)
     env = ps.env(gradients(1, seed=5))
     rows_first = RowsFirst(env, {ps.grad: ps.split()}, lambda grads: pytest.fail("applied"))
