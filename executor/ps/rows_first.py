@@ -10,11 +10,10 @@ brought up to date first (`first`: the gradient cut to those rows, applied), and
 answered; the rest is applied once no request waits, while the trainer computes
 (`flush`). Anything else that reads a table with an update held applies it first.
 
-The cut costs the batch, not the table: the asked rows are stamped in an array of the
-table's height (an int32 a row, an eighth of a row of 8 float32 values, kept from
-cut to cut with a new stamp each time, so nothing is cleared), and the gradient's
-entries read their stamps. Only the asked entries are copied before the answer; the
-rest is copied when it is applied.
+The cut costs the batch, not the table: the asked rows are marked in an array of the
+table's height (a byte a row, kept from cut to cut), the gradient's entries read their
+marks, and the asked rows are unmarked again. Only the asked entries are copied before
+the answer; the rest is copied when it is applied.
 
 Exact: the updates this applies to are row-local (each row's new values depend on its
 own values, state and gradient rows, and on values shared by all rows, such as the
@@ -82,23 +81,27 @@ def split_block(block: Block, tables: Iterable[str], inputs: Iterable[str]) -> S
 
 
 @njit(cache=True)
-def _mark_asked(marks, stamp, asked, rows, out):
-    """Stamp the `asked` rows in `marks` (one entry a table row), then out[i] = whether
-    rows[i] carries the stamp: O(batch), the marks array kept from cut to cut (a new
-    stamp each time, so nothing is cleared). Returns how many are asked, or -1 when an
-    index is outside the table (then `out` is unfinished)."""
+def _mark_asked(marks, asked, rows, out):
+    """out[i] = whether rows[i] is among `asked`: the asked rows marked in `marks` (one
+    entry a table row, all False), read, and unmarked again (as the optimizer kernels'
+    _RowSlots are), so the cost follows the batch. Returns False, with `out` unfinished
+    and `marks` as found, when an index is outside the table."""
     height = marks.shape[0]
     for j in range(asked.shape[0]):
         if asked[j] < 0 or asked[j] >= height:
-            return -1
-        marks[asked[j]] = stamp
-    n = 0
+            for k in range(j):
+                marks[asked[k]] = False
+            return False
+        marks[asked[j]] = True
+    ok = True
     for i in range(rows.shape[0]):
         if rows[i] < 0 or rows[i] >= height:
-            return -1
-        out[i] = marks[rows[i]] == stamp
-        n += out[i]
-    return n
+            ok = False
+            break
+        out[i] = marks[rows[i]]
+    for j in range(asked.shape[0]):
+        marks[asked[j]] = False
+    return ok
 
 
 @njit(cache=True)
@@ -125,7 +128,10 @@ class _Cut:
 
     value: SelectedRows
     mask: np.ndarray
-    asked: int  # how many entries it marks
+
+    @property
+    def asked(self) -> int:
+        return int(np.count_nonzero(self.mask))
 
     def part(self, asked: bool) -> SelectedRows:
         """The entries of the asked rows, or of the others (made when applied: the rest
@@ -150,9 +156,8 @@ class RowsFirst:
         self._run = run
         self.pending: list[str] = []
         self._rests: dict[str, list[_Cut]] = {}  # held updates cut by a first part: what is left
-        # Per table: the rows asked for, marked with the stamp of their cut (see _mark_asked).
+        # Per table: a mark a row, all False between cuts (see _mark_asked).
         self._marks: dict[str, np.ndarray] = {}
-        self._stamp = 0
         # A PREFETCH has read from what is held: the rest is applied as soon as nothing waits.
         self.asked = False
         self.counts = {"held": 0, "cut": 0, "rows_first": 0, "rows_after": 0}
@@ -207,21 +212,18 @@ class RowsFirst:
             self._apply_first(cuts)
 
     def _cut(self, value: SelectedRows, table: str, asked: np.ndarray) -> _Cut:
-        """`value` cut by the `asked` rows of `table`, which they are marked in (see _mark_asked)."""
-        if self._stamp == np.iinfo(np.int32).max:  # (a fresh start, rather than stamps that repeat)
-            self._marks.clear()
-            self._stamp = 0
-        self._stamp += 1
+        """`value` cut by the `asked` rows of `table` (see _mark_asked)."""
         height = len(self._env[table])
         marks = self._marks.get(table)
         if marks is None or len(marks) != height:
-            marks = self._marks[table] = np.zeros(height, dtype=np.int32)
+            marks = self._marks[table] = np.zeros(height, dtype=np.bool_)
         mask = np.empty(len(value.rows), dtype=np.bool_)
         rows = np.asarray(value.rows, dtype=np.int64)
-        found = _mark_asked(marks, self._stamp, np.asarray(asked, dtype=np.int64), rows, mask)
-        if found < 0:  # (checked where they arrived: a caller's bug)
+        if not _mark_asked(
+            marks, np.asarray(asked, dtype=np.int64), rows, mask
+        ):  # (checked where they arrived)
             raise ExecutionError(f"rows asked of or updated in {table!r} are outside its {height} rows")
-        return _Cut(value, mask, found)
+        return _Cut(value, mask)
 
     def _apply_first(self, cuts: dict[str, list[_Cut]]) -> None:
         """Apply the first part of each cut update, leaving its shared state as it was, and

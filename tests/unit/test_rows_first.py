@@ -212,16 +212,15 @@ def test_a_first_part_that_fails_is_not_applied_again_and_leaves_the_shared_stat
         np.testing.assert_array_equal(env[name], value)
 
 
-def test_the_marks_of_asked_rows_start_afresh_when_their_stamps_run_out():
-    """The asked rows are marked with a new stamp each cut; rows marked by earlier cuts
-    are never taken for asked ones, past the last stamp too."""
+def test_the_rows_one_cut_asked_for_are_not_taken_as_asked_by_the_next():
+    """The asked rows are marked for their cut only: rows an earlier cut asked for are
+    never taken for asked ones."""
     ps = Pserver(OPTIMIZERS["sgd"], 1)
     grads = [gradients(1, seed=s)[0] for s in range(4)]
     expected = ps.env(grads[:1])
     runner = BlockRunner(ps.block)
     env = ps.env(grads[:1])
     rows_first = RowsFirst(env, {ps.grad: ps.split()}, lambda g: runner.run(env))
-    rows_first._stamp = np.iinfo(np.int32).max - 2  # three cuts from running out
     for step, grad in enumerate(grads):
         env[ps.grad] = expected[ps.grad] = grad
         BlockRunner(ps.block).run(expected)
@@ -234,7 +233,7 @@ def test_the_marks_of_asked_rows_start_afresh_when_their_stamps_run_out():
         assert rows_first.counts["rows_first"] - before == np.isin(grad.rows, asked).sum()
         rows_first.flush()
         np.testing.assert_array_equal(env[ps.table], expected[ps.table])
-    assert rows_first.counts["cut"] == 4 and rows_first._stamp == 2
+    assert rows_first.counts["cut"] == 4
 
 
 def test_rows_outside_the_table_are_refused_not_marked():
@@ -246,3 +245,4 @@ def test_rows_outside_the_table_are_refused_not_marked():
     rows_first.hold([ps.grad])
     with pytest.raises(ExecutionError, match=rf"{ps.table}.* outside its {ROWS} rows"):
         rows_first.first({ps.table: np.array([1, ROWS])})
+    assert not rows_first._marks[ps.table].any()  # the rows it marked before the bad one, unmarked
