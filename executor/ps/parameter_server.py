@@ -70,6 +70,12 @@ CLAIMS_LIMIT = 64  # connections whose new incarnation waits for a trainer id (m
 STALL_LOG_S = 30.0  # requests waiting this long on a step: the pserver says what for
 
 
+def _yield_core() -> None:
+    """Let another runnable thread of this core run first (a no-op where there is none)."""
+    if hasattr(os, "sched_yield"):
+        os.sched_yield()
+
+
 def _pairs(values: list[str]) -> dict[str, int]:
     out = {}
     for item in values:
@@ -221,6 +227,10 @@ class ParameterServer:
         rest, after the requests already waiting: the trainer computes meanwhile. Until a
         PREFETCH comes the update stays held (the next step's rows are applied first);
         anything else that reads the tables applies it first."""
+        if self.rows_first.pending and self.rows_first.asked:
+            # The answer just went to ZeroMQ's I/O thread, which often waits for this
+            # thread's core: let it send before the rest's update takes the core.
+            _yield_core()
         while self.rows_first.pending and self.rows_first.asked:
             waiting = self.server.receive(0)
             if not waiting:
