@@ -219,9 +219,8 @@ class RowsFirst:
             marks = self._marks[table] = np.zeros(height, dtype=np.bool_)
         mask = np.empty(len(value.rows), dtype=np.bool_)
         rows = np.asarray(value.rows, dtype=np.int64)
-        if not _mark_asked(
-            marks, np.asarray(asked, dtype=np.int64), rows, mask
-        ):  # (checked where they arrived)
+        # (Checked where they arrived: this guards the compiled loop, which does not bounds-check.)
+        if not _mark_asked(marks, np.asarray(asked, dtype=np.int64), rows, mask):
             raise ExecutionError(f"rows asked of or updated in {table!r} are outside its {height} rows")
         return _Cut(value, mask)
 
