@@ -41,13 +41,13 @@ import numpy as np
 from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
 from fluidps.executor.ps import pserver_stats
 from fluidps.executor.ps.checkpointer import Checkpointer
+from fluidps.executor.ps.claims import WaitingClaims
 from fluidps.executor.ps.gradients import GradientSpec, RowLog
 from fluidps.executor.ps.joined_blocks import JoinedBlocks
 from fluidps.executor.ps.membership import DONE, Claim, Membership
 from fluidps.executor.ps.message_limit import message_limit
 from fluidps.executor.ps.rows_first import RowsFirst, SplitBlock, split_block
 from fluidps.executor.ps.strategies import STRATEGIES
-from fluidps.executor.transport.ratelimit import RateLimitedLog
 from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
@@ -66,7 +66,6 @@ _PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (s
 
 # What a pserver remembers for its stats stays bounded however long the job runs.
 CLOCK_LOG_LIMIT = 100_000  # clock and grant events
-CLAIMS_LIMIT = 64  # connections whose new incarnation waits for a trainer id (more are refused)
 STALL_LOG_S = 30.0  # requests waiting this long on a step: the pserver says what for
 
 
@@ -123,10 +122,14 @@ class ParameterServer:
         self.clock_log: deque[dict[str, Any]] = deque(maxlen=CLOCK_LOG_LIMIT)
         self.received_rows: dict[str, RowLog] = {}  # sparse gradients: which rows arrived
         self.deferred: list[Request] = []
-        # Per connection whose new incarnation claims a trainer id another one holds: since
-        # when, and its requests in order (see Membership).
-        self.claims: dict[bytes, tuple[float, list[Request]]] = {}
-        self._log_claim = RateLimitedLog(self.log)  # (a stranger could make many)
+        # Connections whose new incarnation claims a trainer id a live one holds (claims.py).
+        self.claims = WaitingClaims(
+            self.members,
+            self.settings,
+            refuse=lambda request, why: self.server.error(request, f"{self.name}: {why}"),
+            heard=lambda key: self.server.heard.get(key),
+            log=self.log,
+        )
         # Async: SENDs acknowledged once their gradients are applied, and when that is.
         self.unapplied: list[tuple[Request, Callable[[], bool]]] = []
         self._waker: Waker | None = None
@@ -194,7 +197,7 @@ class ParameterServer:
             while not self.members.done and self._stop_reason is None:
                 self._handle_all(self.server.receive(0.05, wake=self._waker.socket))
                 self._check_trainers()
-                self._retry_claims()
+                self.claims.retry(self._handle)
                 self._check_rejoin()
                 self._answer_deferred()
                 self._report_stall()
@@ -319,13 +322,12 @@ class ParameterServer:
                     request, f"{self.name} serves trainers 0..{self.fanin - 1}, not {msg.trainer_id}"
                 )
                 return
-            if request.client in self.claims:  # its claim waits: so do its later requests
-                self.claims[request.client][1].append(request)
+            if self.claims.queue(request):  # its claim waits: so do its later requests
                 return
             try:
                 self._admit(request)
             except Claim as claim:
-                self._wait_for(request, claim)
+                self.claims.wait(request, claim)
                 return
             except TransportError as e:
                 self.server.log_rejected(f"refused {msg.kind_name} as trainer {msg.trainer_id}: {e}")
@@ -355,48 +357,6 @@ class ParameterServer:
             raise TransportError(f"trainer {trainer} already said it is done")
         if msg.kind in (Kind.SEND, Kind.SEND_BARRIER):
             self.members.resume(trainer)
-
-    def _wait_for(self, request: Request, claim: Claim) -> None:
-        """A new incarnation claims a trainer id a live one holds: its requests wait
-        until the holder is evicted for its silence (see _retry_claims)."""
-        if len(self.claims) >= CLAIMS_LIMIT:
-            self.server.error(request, f"{self.name}: {claim}; too many processes wait to claim trainer ids")
-            return
-        self._log_claim(
-            f"incarnation {request.msg.sender:x} claims trainer {claim.trainer}, held by incarnation "
-            f"{claim.holder:x}: it waits until that one is evicted for its silence (a restarted trainer "
-            f"that names the one it replaces, as the launcher's do, takes over at once)"
-        )
-        self.claims[request.client] = (time.monotonic(), [request])
-
-    def _retry_claims(self) -> None:
-        """Let waiting claims in once their trainer id is free; refuse those whose holder
-        kept proving alive for longer than its allowance and a peer timeout (it would
-        have been evicted by then were it gone): two processes claim one trainer id."""
-        now = time.monotonic()
-        for connection, (since, requests) in list(self.claims.items()):
-            msg = requests[0].msg
-            holder = self.members.members[msg.trainer_id].sender
-            if holder not in (0, msg.sender):
-                silence = self.server.heard.get((msg.trainer_id, holder))
-                allowed = (silence.allowance() if silence else self.settings.warmup_timeout) + (
-                    self.settings.peer_timeout
-                )
-                if now - since <= allowed:
-                    continue
-                del self.claims[connection]
-                why = (
-                    f"trainer {msg.trainer_id} is held by incarnation {holder:x}, which is alive; incarnation "
-                    f"{msg.sender:x} waited {now - since:.1f} s for it: two processes were started with one "
-                    "trainer id, or a restarted one did not name the incarnation it replaces (FLUIDPS_REPLACES)"
-                )
-                self.log(why)  # (at most CLAIMS_LIMIT per allowance: no flood)
-                for request in requests:
-                    self.server.error(request, f"{self.name}: {why}")
-                continue
-            del self.claims[connection]
-            for request in requests:
-                self._handle(request)
 
     def _forget(self, trainer: int) -> None:
         """Drop what a trainer's old incarnation started: its barrier and its waiting GETs."""
