@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -264,3 +265,19 @@ def test_the_ceiling_of_a_distributed_table_sends_the_next_batchs_rows_with_the_
     )
     assert (job["mode"], job["trainers"], job["runner"]) == ("sync", 1, "raw pyzmq (ceiling)")
     assert job["samples_per_s"] > 0 and 0 < job["loss"] < 0.7  # it trained: below ln(2) at the start
+
+
+def test_the_cores_bench_times_a_wake_up_across_cores_and_on_one():
+    """bench.cores: one row per placement (two cores where there are two), each with the
+    spread of its round trips, and the child process bound where the row says."""
+    rows = bench("cores", "--quick")
+    cores = sorted(os.sched_getaffinity(0))
+    expected = ["two cores", "one core"] if len(cores) > 1 else ["one core"]
+    assert [r["placement"] for r in rows] == expected
+    for row in rows:
+        assert (row["bench"], row["probe"], row["rounds"]) == ("cores", "wake_up", 1)
+        spread = row["round_trip_us"]
+        assert 0 < spread["min"] <= spread["median"] <= spread["max"]
+    assert rows[-1]["cores"] == [cores[0], cores[0]]
+    if len(cores) > 1:
+        assert rows[0]["cores"] == [cores[0], cores[-1]]
