@@ -8,22 +8,16 @@ unused.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
-from fluidps.errors import ExecutionError
 from fluidps.ir.infer import InferContext, numel
 from fluidps.ir.types import VarType, to_numpy_dtype
 from fluidps.ops.defs import Bool, Compat, Extra, Float, Hint, In, Long, Only, Out, Str, backend_hints
-from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
+from fluidps.ops.kernel import Env, KernelOp, Runner
 from fluidps.ops.lowering import BatchForm, LoweringOp, NotLowerable
+from fluidps.ops.optimizer_rows import AHEAD, RowSlots, Step, prefetch_row, update_loop
 from fluidps.ops.registry import OpFamily
-from fluidps.ops.selected_rows import SelectedRows
 
 family = OpFamily("optimizers")
 
@@ -140,146 +134,35 @@ family.define(
 )
 
 # -- kernels -----------------------------------------------------------------------------
-# Every update is a row update of the parameter seen as a [rows, width] table:
-# a SelectedRows gradient names the rows it touches, and a dense gradient is
-# the update of the whole parameter seen as one row (rows = [0]), so each
-# optimizer has one numba loop and a sparse step costs what its rows cost.
-# Scalars (learning rate, betas, epsilon, bias corrections) are numpy scalars
-# of the parameter's dtype, computed in Python as Fluid computes them in T, so
-# float32 arithmetic stays float32 inside the loops.
-
-_DENSE_ROWS = np.zeros(1, dtype=np.int64)
+# Every update is a row update of the parameter seen as a [rows, width] table
+# (optimizer_rows.py: a dense gradient is the one row [0]). Scalars (learning rate,
+# betas, epsilon, bias corrections) are numpy scalars of the parameter's dtype,
+# computed in Python as Fluid computes them in T, so float32 arithmetic stays
+# float32 inside the loops.
 
 # The rules whose sparse kernels sum a gradient's repeated rows before applying them
 # (sgd applies each in turn). For these, rows summed earlier (a distributed table's
 # trainer does) update the parameter bit for bit as the repeated rows would.
 SUMS_REPEATED_ROWS = frozenset({"momentum", "adagrad", "ftrl", "adam"})
 
-# The update loops divide floats. Under numba's default error model every division
-# checks for zero (to raise Python's ZeroDivisionError), and that branch keeps LLVM from
-# vectorizing the loop; numpy's model divides as IEEE 754 does, as numpy's kernels do, with
-# the same bits (a division by zero gives inf, as numpy's). Dense Adam runs about 7x
-# faster so, which is most of a pserver's optimize time.
-_update_loop = njit(cache=True, error_model="numpy")
 
-
-@njit(cache=True)
-def _first_bad_row(rows, height):
-    for i in range(rows.shape[0]):
-        if rows[i] < 0 or rows[i] >= height:
-            return i
-    return -1
-
-
-class _RowSlots:
-    """Scratch for merging duplicate rows in one pass.
-
-    Merging by sorting (SelectedRows.merged) costs more than the update itself
-    on 10^4 rows. A row -> slot array, -1 everywhere between uses, merges in
-    one pass over the gradient instead; each merge puts back the -1s it wrote,
-    so the array is filled once (4 bytes per table row), not once per step.
-    Each optimizer op's runner owns one; a runner never runs concurrently
-    with itself.
-    """
-
-    def __init__(self) -> None:
-        self._slots = np.empty(0, dtype=np.int32)
-
-    def get(self, height: int) -> np.ndarray:
-        if self._slots.shape[0] < height:
-            self._slots = np.full(height, -1, dtype=np.int32)
-        return self._slots
-
-
-@njit(cache=True)
-def _repeats(rows, slots):
-    """Whether some row comes twice (`slots` as _merge uses them, left as found)."""
-    n = rows.shape[0]
-    seen = n
-    for i in range(n):
-        if slots[rows[i]] >= 0:
-            seen = i
-            break
-        slots[rows[i]] = 0
-    for k in range(seen):
-        slots[rows[k]] = -1
-    return seen < n
-
-
-@njit(cache=True)
-def _merge(rows, g, slots):
-    """(unique rows in first-seen order, their summed values): duplicates add up in
-    gradient order, as SelectedRows.to_dense adds them, so results match it bit for bit."""
-    out_rows = np.empty(rows.shape[0], dtype=np.int64)
-    out = np.zeros((rows.shape[0], g.shape[1]), dtype=g.dtype)
-    n = 0
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        s = slots[r]
-        if s < 0:
-            s = n
-            slots[r] = n
-            out_rows[n] = r
-            n += 1
-        for j in range(g.shape[1]):
-            out[s, j] += g[i, j]
-    for k in range(n):
-        slots[out_rows[k]] = -1
-    return out_rows[:n], out[:n]
-
-
-# A row update of a big table misses the cache on every row. With a long loop
-# body (Adam's sqrt and division over three arrays) the CPU's reorder window
-# holds about one row, so misses would come one at a time; prefetching the rows
-# a few iterations ahead keeps several in flight (about 2x on 10^4 random rows
-# of a 10^6-row Adam table).
-_AHEAD = 8
-
-
-@intrinsic
-def _prefetch_row(typingctx, table, row):
-    """Hint the CPU to fetch row `row` of a 2-D C-contiguous array for writing: LLVM's
-    prefetch of its first and last element (16 float32 span two cache lines unless
-    aligned). A hint never faults. An intrinsic, not a jitted helper: passing arrays
-    to a helper costs reference-count updates that eat the gain."""
-
-    def codegen(context, builder, signature, args):
-        table_type = signature.args[0]
-        ary = context.make_array(table_type)(context, builder, args[0])
-        width = cgutils.unpack_tuple(builder, ary.shape)[1]
-        last = builder.sub(width, width.type(1))
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch." + i8p.intrinsic_name)
-        for col in (width.type(0), last):
-            ptr = cgutils.get_item_pointer(
-                context, builder, table_type, ary, [args[1], col], wraparound=False
-            )
-            builder.call(fn, [builder.bitcast(ptr, i8p), i32(1), i32(3), i32(1)])  # write, keep, data
-        return context.get_dummy_value()
-
-    if not isinstance(table, types.Array) or table.ndim != 2 or not isinstance(row, types.Integer):
-        return None
-    return types.void(table, types.intp), codegen
-
-
-@_update_loop
+@update_loop
 def _sgd_rows(p, rows, g, lr):
     # Rows are not merged: a repeated row takes each of its gradients in turn.
     for k in range(rows.shape[0]):
-        if k + _AHEAD < rows.shape[0]:
-            _prefetch_row(p, rows[k + _AHEAD])
+        if k + AHEAD < rows.shape[0]:
+            prefetch_row(p, rows[k + AHEAD])
         r = rows[k]
         for j in range(p.shape[1]):
             p[r, j] -= lr * g[k, j]
 
 
-@_update_loop
+@update_loop
 def _momentum_rows(p, v, rows, g, lr, mu, rescale, use_l2, l2, nesterov):
     for k in range(rows.shape[0]):
-        if k + _AHEAD < rows.shape[0]:
-            _prefetch_row(p, rows[k + _AHEAD])
-            _prefetch_row(v, rows[k + _AHEAD])
+        if k + AHEAD < rows.shape[0]:
+            prefetch_row(p, rows[k + AHEAD])
+            prefetch_row(v, rows[k + AHEAD])
         r = rows[k]
         for j in range(p.shape[1]):
             gj = g[k, j] * rescale
@@ -293,12 +176,12 @@ def _momentum_rows(p, v, rows, g, lr, mu, rescale, use_l2, l2, nesterov):
                 p[r, j] -= lr * vj
 
 
-@_update_loop
+@update_loop
 def _adagrad_rows(p, m, rows, g, lr, eps):
     for k in range(rows.shape[0]):
-        if k + _AHEAD < rows.shape[0]:
-            _prefetch_row(p, rows[k + _AHEAD])
-            _prefetch_row(m, rows[k + _AHEAD])
+        if k + AHEAD < rows.shape[0]:
+            prefetch_row(p, rows[k + AHEAD])
+            prefetch_row(m, rows[k + AHEAD])
         r = rows[k]
         for j in range(p.shape[1]):
             gj = g[k, j]
@@ -307,7 +190,7 @@ def _adagrad_rows(p, m, rows, g, lr, eps):
             p[r, j] -= lr * gj / (np.sqrt(mj) + eps)
 
 
-@_update_loop
+@update_loop
 def _ftrl_rows(p, squared, linear, rows, g, lr, l1, l2):
     """FTRL-proximal with learning-rate power -1/2, Paddle's formula."""
     for k in range(rows.shape[0]):
@@ -326,7 +209,7 @@ def _ftrl_rows(p, squared, linear, rows, g, lr, l1, l2):
             linear[r, j] = lin
 
 
-@_update_loop
+@update_loop
 def _adam_row(p, m1, m2, r, g, lr_t, b1, b2, one_b1, one_b2, eps_t):
     for j in range(p.shape[1]):
         gj = g[j]
@@ -337,17 +220,17 @@ def _adam_row(p, m1, m2, r, g, lr_t, b1, b2, one_b1, one_b2, eps_t):
         p[r, j] -= lr_t * (a / (np.sqrt(b) + eps_t))
 
 
-@_update_loop
+@update_loop
 def _adam_rows(p, m1, m2, rows, g, lr_t, b1, b2, one_b1, one_b2, eps_t, every_row):
     """Adam over `rows` (unique); with every_row (rows then sorted), also over every
     other row with a zero gradient (Fluid's non-lazy sparse Adam: the dense update)."""
     if not every_row:
         for k in range(rows.shape[0]):
-            if k + _AHEAD < rows.shape[0]:
-                ahead = rows[k + _AHEAD]
-                _prefetch_row(p, ahead)
-                _prefetch_row(m1, ahead)
-                _prefetch_row(m2, ahead)
+            if k + AHEAD < rows.shape[0]:
+                ahead = rows[k + AHEAD]
+                prefetch_row(p, ahead)
+                prefetch_row(m1, ahead)
+                prefetch_row(m2, ahead)
             _adam_row(p, m1, m2, rows[k], g[k], lr_t, b1, b2, one_b1, one_b2, eps_t)
         return
     zero = np.zeros(p.shape[1], dtype=g.dtype)
@@ -360,105 +243,10 @@ def _adam_rows(p, m1, m2, rows, g, lr_t, b1, b2, one_b1, one_b2, eps_t, every_ro
             _adam_row(p, m1, m2, r, zero, lr_t, b1, b2, one_b1, one_b2, eps_t)
 
 
-class _Step:
-    """One run of an optimizer op: its arrays, in place where the op allows it."""
-
-    def __init__(self, op: KernelOp, env: Env, slots: _RowSlots | None = None):
-        self.op, self.env = op, env
-        self.slots = slots if slots is not None else _RowSlots()
-        param = env[op.input("Param")]
-        if not isinstance(param, np.ndarray) or param.dtype.kind != "f":
-            raise ExecutionError(f"{op.type}: Param must be a float tensor, got {_describe(param)}")
-        self.dtype, self.shape = param.dtype, param.shape
-        self.size = math.prod(param.shape)  # (math.prod: np.prod costs microseconds on a tuple)
-        self.scalar = param.dtype.type
-
-    def state(self, slot: str, out_slot: str | None = None) -> np.ndarray:
-        """The array `slot`'s update writes into, also stored as `<slot>Out` (or as
-        `out_slot`: Paddle's FTRL names its outputs SquaredAccumOut, LinearAccumOut).
-
-        Fluid updates in place (ParamOut names Param): then the input array
-        itself is written. When the output names another variable, or the input
-        cannot be written in place (read-only, strided, another dtype), a copy is
-        updated and stored under the output name instead.
-        """
-        in_name, out_name = self.op.input(slot), self.op.output(out_slot or slot + "Out")
-        value = self.env[in_name]
-        if not isinstance(value, np.ndarray) or value.size != self.size:
-            raise ExecutionError(
-                f"{self.op.type}: {slot} {in_name!r} ({_describe(value)}) does not match Param of shape "
-                f"{list(self.shape)}"
-            )
-        in_place = (
-            out_name == in_name
-            and value.dtype == self.dtype
-            and value.flags.c_contiguous
-            and value.flags.writeable
-        )
-        target = value if in_place else np.array(value, dtype=self.dtype, order="C")
-        if out_name is not None:
-            self.env[out_name] = target
-        return target
-
-    def value(self, slot: str) -> np.generic:
-        """A one-element input (LearningRate, Beta1Pow...) as a scalar of Param's dtype."""
-        name = self.op.input(slot)
-        value = np.asarray(self.env[name])
-        if value.size != 1:
-            raise ExecutionError(
-                f"{self.op.type}: {slot} {name!r} must hold one value, got shape {list(value.shape)}"
-            )
-        return self.scalar(value.reshape(-1)[0])
-
-    def grad(self, merge: bool, sort: bool = False) -> tuple[np.ndarray, np.ndarray, tuple[int, int], bool]:
-        """(rows, value [n, width], the [rows, width] view of Param, sparse?); a
-        sparse gradient's repeated rows summed when `merge`, its rows sorted when `sort`."""
-        name = self.op.input("Grad")
-        grad = self.env[name]
-        size = self.size
-        if not isinstance(grad, SelectedRows):
-            grad = contiguous(grad, dtype=self.dtype)
-            if grad.size != size:
-                raise ExecutionError(
-                    f"{self.op.type}: Grad {name!r} of shape {list(grad.shape)} does not match Param of shape "
-                    f"{list(self.shape)}"
-                )
-            return _DENSE_ROWS, grad.reshape(1, size), (1, size), False
-        if not self.shape or grad.height != self.shape[0] or grad.value.shape[1:] != self.shape[1:]:
-            raise ExecutionError(
-                f"{self.op.type}: Grad {name!r} ({grad!r}) does not match Param of shape {list(self.shape)}"
-            )
-        height = self.shape[0]
-        width = size // height if height else 0
-        rows = contiguous(grad.rows, dtype=np.int64)
-        value = contiguous(grad.value, dtype=self.dtype).reshape(rows.shape[0], width)
-        bad = _first_bad_row(rows, height)
-        if bad >= 0:
-            raise ExecutionError(
-                f"{self.op.type}: Grad {name!r} names row {int(rows[bad])} of a {height}-row parameter"
-            )
-        if merge and rows.shape[0] > 1:
-            # (A gradient whose rows come once each, as a trainer sums a distributed table's,
-            # has nothing to merge: it is applied as it came, not copied.)
-            slots = self.slots.get(height)
-            if _repeats(rows, slots):
-                rows, value = _merge(rows, value, slots)
-            if sort:
-                order = np.argsort(rows)
-                rows, value = rows[order], value[order]
-        return rows, value, (height, width), True
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, np.ndarray):
-        return f"{value.dtype}{list(value.shape)}"
-    return type(value).__name__
-
-
 @family.kernel("sgd")
 def _sgd_kernel(op: KernelOp) -> Runner:
     def run(env: Env) -> None:
-        step = _Step(op, env)
+        step = Step(op, env)
         lr = step.value("LearningRate")
         rows, g, view, _ = step.grad(merge=False)
         _sgd_rows(step.state("Param").reshape(view), rows, g, lr)
@@ -472,10 +260,10 @@ def _momentum_kernel(op: KernelOp) -> Runner:
     use_l2 = op.attr("regularization_method") == "l2_decay"
     coeff, rescale = op.attr("regularization_coeff"), op.attr("rescale_grad")
 
-    slots = _RowSlots()
+    slots = RowSlots()
 
     def run(env: Env) -> None:
-        step = _Step(op, env, slots)
+        step = Step(op, env, slots)
         lr, t = step.value("LearningRate"), step.scalar
         rows, g, view, _ = step.grad(merge=True)
         p, v = step.state("Param").reshape(view), step.state("Velocity").reshape(view)
@@ -491,10 +279,10 @@ def _momentum_kernel(op: KernelOp) -> Runner:
 def _adagrad_kernel(op: KernelOp) -> Runner:
     epsilon = op.attr("epsilon")
 
-    slots = _RowSlots()
+    slots = RowSlots()
 
     def run(env: Env) -> None:
-        step = _Step(op, env, slots)
+        step = Step(op, env, slots)
         lr = step.value("LearningRate")
         rows, g, view, _ = step.grad(merge=True)
         p, m = step.state("Param").reshape(view), step.state("Moment").reshape(view)
@@ -506,10 +294,10 @@ def _adagrad_kernel(op: KernelOp) -> Runner:
 @family.kernel("ftrl")
 def _ftrl_kernel(op: KernelOp) -> Runner:
     l1, l2 = op.attr("l1"), op.attr("l2")
-    slots = _RowSlots()
+    slots = RowSlots()
 
     def run(env: Env) -> None:
-        step = _Step(op, env, slots)
+        step = Step(op, env, slots)
         lr = step.value("LearningRate")
         rows, g, view, _ = step.grad(merge=True)
         p = step.state("Param").reshape(view)
@@ -525,10 +313,10 @@ def _adam_kernel(op: KernelOp) -> Runner:
     beta1, beta2, epsilon = op.attr("beta1"), op.attr("beta2"), op.attr("epsilon")
     lazy = bool(op.attr("lazy_mode"))
 
-    slots = _RowSlots()
+    slots = RowSlots()
 
     def run(env: Env) -> None:
-        step = _Step(op, env, slots)
+        step = Step(op, env, slots)
         t = step.scalar
         lr, b1_pow, b2_pow = step.value("LearningRate"), step.value("Beta1Pow"), step.value("Beta2Pow")
         # The non-lazy sparse update walks every row, matching the gradient's rows in order.
@@ -598,7 +386,7 @@ def _sgd_lowering(op: LoweringOp) -> None:
     dtype = to_numpy_dtype(op.declared_dtype("Param"))
     op.emit(op.call(require_same_size, p, g))
     rate = f"np.{dtype.name}({lr}.reshape(-1)[0])"
-    rows = "np.zeros(1, np.int64)"  # the one row of a dense update (_DENSE_ROWS)
+    rows = "np.zeros(1, np.int64)"  # the one row of a dense update (as Step.grad gives it)
     op.emit(op.call(_sgd_rows, f"{p}.reshape((1, {p}.size))", rows, f"{g}.reshape((1, {g}.size))", rate))
 
 
@@ -657,7 +445,7 @@ def _rate(op: LoweringOp) -> str:
     return f"np.{_dtypes(op, 'Param')[0]}({op.input('LearningRate')}.reshape(-1)[0])"
 
 
-@_update_loop
+@update_loop
 def sgd_many(params, grads, rates):
     """sgd of every parameter of a batch in turn (params, grads: (1, size) views)."""
     rows = np.zeros(1, np.int64)
@@ -677,7 +465,7 @@ def _sgd_batch(ops: list[LoweringOp]) -> list[str]:
     return [ops[0].call(sgd_many, params, grads, _tuple([_rate(op) for op in ops]))]
 
 
-@_update_loop
+@update_loop
 def adam_many(params, grads, m1s, m2s, b1_pows, b2_pows, rates, b1, b2, epsilon, one):
     """Dense adam of every parameter of a batch in turn, as _adam_lowering's statements."""
     rows = np.zeros(1, np.int64)

@@ -84,8 +84,8 @@ def split_block(block: Block, tables: Iterable[str], inputs: Iterable[str]) -> S
 def _mark_asked(marks, asked, rows, out):
     """out[i] = whether rows[i] is among `asked`: the asked rows marked in `marks` (one
     entry a table row, all False), read, and unmarked again (as the optimizer kernels'
-    _RowSlots are), so the cost follows the batch. Returns False, with `out` unfinished
-    and `marks` as found, when an index is outside the table."""
+    RowSlots are: ops/optimizer_rows.py), so the cost follows the batch. Returns False,
+    with `out` unfinished and `marks` as found, when an index is outside the table."""
     height = marks.shape[0]
     for j in range(asked.shape[0]):
         if asked[j] < 0 or asked[j] >= height:
