@@ -62,7 +62,7 @@ class RowSlots:
 
 @njit(cache=True)
 def repeated_rows(rows, slots):
-    """Whether some row comes twice (`slots` as _merge uses them, left as found)."""
+    """Whether some row comes twice (`slots` as merge_rows uses them, left as found)."""
     n = rows.shape[0]
     seen = n
     for i in range(n):
