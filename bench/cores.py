@@ -48,7 +48,8 @@ def round_trip_us(parent_core: int, child_core: int, round_trips: int) -> float:
         for _ in range(round_trips):
             start = time.perf_counter()
             os.write(parent_writes, b"x")
-            os.read(parent_reads, 1)
+            if not os.read(parent_reads, 1):
+                raise SystemExit(f"bench.cores: the echo process on core {child_core} ended early")
             times.append(time.perf_counter() - start)
     finally:
         os.sched_setaffinity(0, before)

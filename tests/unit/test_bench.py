@@ -269,7 +269,7 @@ def test_the_ceiling_of_a_distributed_table_sends_the_next_batchs_rows_with_the_
 
 def test_the_cores_bench_times_a_wake_up_across_cores_and_on_one():
     """bench.cores: one row per placement (two cores where there are two), each with the
-    spread of its round trips, and the child process bound where the row says."""
+    spread of its round trips, and the cores it bound the two processes to."""
     rows = bench("cores", "--quick")
     cores = sorted(os.sched_getaffinity(0))
     expected = ["two cores", "one core"] if len(cores) > 1 else ["one core"]
