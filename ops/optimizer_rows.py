@@ -22,7 +22,7 @@ from fluidps.errors import ExecutionError
 from fluidps.ops.kernel import Env, KernelOp, contiguous
 from fluidps.ops.selected_rows import SelectedRows
 
-DENSE_ROWS = np.zeros(1, dtype=np.int64)  # the one row of a dense update
+_DENSE_ROWS = np.zeros(1, dtype=np.int64)  # the one row of a dense update
 
 # The update loops divide floats. Under numba's default error model every division
 # checks for zero (to raise Python's ZeroDivisionError), and that branch keeps LLVM from
@@ -33,7 +33,7 @@ update_loop = njit(cache=True, error_model="numpy")
 
 
 @njit(cache=True)
-def first_bad_row(rows, height):
+def _first_bad_row(rows, height):
     for i in range(rows.shape[0]):
         if rows[i] < 0 or rows[i] >= height:
             return i
@@ -61,8 +61,8 @@ class RowSlots:
 
 
 @njit(cache=True)
-def repeated_rows(rows, slots):
-    """Whether some row comes twice (`slots` as merge_rows uses them, left as found)."""
+def _repeated_rows(rows, slots):
+    """Whether some row comes twice (`slots` as _merge_rows uses them, left as found)."""
     n = rows.shape[0]
     seen = n
     for i in range(n):
@@ -76,7 +76,7 @@ def repeated_rows(rows, slots):
 
 
 @njit(cache=True)
-def merge_rows(rows, g, slots):
+def _merge_rows(rows, g, slots):
     """(unique rows in first-seen order, their summed values): duplicates add up in
     gradient order, as SelectedRows.to_dense adds them, so results match it bit for bit."""
     out_rows = np.empty(rows.shape[0], dtype=np.int64)
@@ -195,7 +195,7 @@ class Step:
                     f"{self.op.type}: Grad {name!r} of shape {list(grad.shape)} does not match Param of shape "
                     f"{list(self.shape)}"
                 )
-            return DENSE_ROWS, grad.reshape(1, size), (1, size), False
+            return _DENSE_ROWS, grad.reshape(1, size), (1, size), False
         if not self.shape or grad.height != self.shape[0] or grad.value.shape[1:] != self.shape[1:]:
             raise ExecutionError(
                 f"{self.op.type}: Grad {name!r} ({grad!r}) does not match Param of shape {list(self.shape)}"
@@ -204,7 +204,7 @@ class Step:
         width = size // height if height else 0
         rows = contiguous(grad.rows, dtype=np.int64)
         value = contiguous(grad.value, dtype=self.dtype).reshape(rows.shape[0], width)
-        bad = first_bad_row(rows, height)
+        bad = _first_bad_row(rows, height)
         if bad >= 0:
             raise ExecutionError(
                 f"{self.op.type}: Grad {name!r} names row {int(rows[bad])} of a {height}-row parameter"
@@ -213,8 +213,8 @@ class Step:
             # (A gradient whose rows come once each, as a trainer sums a distributed table's,
             # has nothing to merge: it is applied as it came, not copied.)
             slots = self.slots.get(height)
-            if repeated_rows(rows, slots):
-                rows, value = merge_rows(rows, value, slots)
+            if _repeated_rows(rows, slots):
+                rows, value = _merge_rows(rows, value, slots)
             if sort:
                 order = np.argsort(rows)
                 rows, value = rows[order], value[order]

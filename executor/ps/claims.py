@@ -44,9 +44,6 @@ class WaitingClaims:
         self._log_claim = RateLimitedLog(log)  # (a stranger could make many)
         self._waiting: dict[bytes, tuple[float, list[Request]]] = {}  # connection -> (since, requests)
 
-    def __len__(self) -> int:
-        return len(self._waiting)
-
     def queue(self, request: Request) -> bool:
         """Whether `request` came on a connection whose claim waits: then it waits behind."""
         waiting = self._waiting.get(request.client)

@@ -41,9 +41,9 @@ EPOCHS = 16  # by 16 passes the model has converged: fault-free runs agree withi
 # coordinator's books (assert_books_balance), not by the accuracy.
 ACCURACY_TOLERANCE = 0.02
 JOB_TIMEOUT = 240.0
-# A bound for a hang, not a speed: a process compiling a new joined block with a cold numba
-# cache, beside the two CPU hogs, stayed silent for more than 4 s on a slow host, and its
-# peers gave it up in a fault-free job.
+# A bound for a hang, not a speed: with a cold numba cache (a fresh clone) and the two CPU
+# hogs, a pserver of a fault-free job went silent for more than 4 s on a slow host while
+# its processes compiled, and its trainers gave it up.
 PEER_TIMEOUT = 12.0
 # Under load always: a slow machine must never end a job, lose a task or flake this file.
 pytestmark = [pytest.mark.timeout(900), pytest.mark.under_load]
