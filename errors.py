@@ -69,6 +69,11 @@ class WireError(Error, ValueError):
     """A received message is malformed: bad header, dtype, shape or byte count."""
 
 
+class UnprovenMessageError(WireError):
+    """A received message does not carry the job's proof (a tag of its header made with the
+    job's secret): it comes from a process outside the job, or one given another secret."""
+
+
 class TransportError(Error, RuntimeError):
     """A peer could not be reached, stopped answering, or answered with an error."""
 

@@ -1,10 +1,13 @@
 """bench.distributed's bandwidth rows: pushing and pulling one parameter through
-fluidps (exe.scope) next to one raw pyzmq frame, in the same run."""
+fluidps (exe.scope) next to one raw pyzmq frame, in the same run; and what the job's
+proof costs a message (`proof` rows: round trips through fluidps's transport to a server
+subprocess, with the job's secret and without, in alternating rounds)."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -15,6 +18,10 @@ import zmq
 import fluidps
 from bench.sparse_update import median_ms
 from fluidps import layers, optimizer
+from fluidps.executor.transport.proof import JobSecret
+from fluidps.executor.transport.rpc import RpcClient
+from fluidps.executor.transport.settings import RpcSettings
+from fluidps.executor.transport.wire import Kind, Message
 
 CORES = os.cpu_count() or 1
 MIB = 1 << 20
@@ -43,6 +50,27 @@ while True:
         s.send_multipart([ident, b"ok"])
 s.close()
 ctx.term()
+"""
+
+
+# fluidps's transport without the rest: an RpcServer subprocess that acknowledges each
+# request, with the job's secret from FLUIDPS_JOB_SECRET or, without one, insecure.
+RPC_PEER = """
+import os, zmq
+from fluidps.executor.transport.proof import JobSecret
+from fluidps.executor.transport.rpc import RpcServer
+from fluidps.executor.transport.settings import RpcSettings
+from fluidps.executor.transport.wire import Kind
+text = os.environ.get("FLUIDPS_JOB_SECRET", "")
+secret = JobSecret.from_hex(text, "FLUIDPS_JOB_SECRET") if text else None
+server = RpcServer(zmq.Context(), "tcp://127.0.0.1:0", "peer", RpcSettings(secret=secret, insecure=not text))
+print(server.address, flush=True)
+running = True
+while running:
+    for request in server.receive(1.0):
+        server.reply(request)
+        running = request.msg.kind != Kind.SHUTDOWN
+server.close()
 """
 
 
@@ -124,6 +152,59 @@ def fluidps_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
             exe.scope["bw.w"] = value
 
         return {"pull": median_seconds(pull, repeats), "push": median_seconds(push, repeats)}
+
+
+def rpc_round_trips(secret: JobSecret | None, sizes: list[int], calls: int) -> dict[int, float]:
+    """Median seconds of a SEND of each size (one float32 tensor) answered by an RpcServer
+    subprocess, through fluidps's RpcClient: proven with `secret`, or unproven (None)."""
+    env = dict(os.environ, FLUIDPS_JOB_SECRET=secret.hex() if secret else "")
+    peer = subprocess.Popen([sys.executable, "-c", RPC_PEER], stdout=subprocess.PIPE, text=True, env=env)
+    context = zmq.Context()
+    client = None
+    try:
+        settings = RpcSettings(secret=secret, insecure=secret is None)
+        client = RpcClient(context, peer.stdout.readline().strip(), "the peer", settings)
+        out = {}
+        for size in sizes:
+            msg = Message(Kind.SEND, tensors={"g": np.ones(size // 4, np.float32)})
+            out[size] = median_seconds(lambda msg=msg: client.call(msg), calls)
+        client.call(Message(Kind.SHUTDOWN))
+    finally:
+        if client is not None:
+            client.close()
+        context.term()
+        try:
+            peer.wait(10)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
+        peer.stdout.close()
+    return out
+
+
+def bench_proof(nbytes: int, repeats: int, rounds: int = 3) -> None:
+    """`proof` rows: a small and an `nbytes` SEND's round trip with the job's proof and
+    without, `rounds` alternating rounds of `repeats` calls each (medians of the rounds)."""
+    sizes = [4096, nbytes]
+    times: dict[bool, list[dict[int, float]]] = {True: [], False: []}
+    for _ in range(rounds):
+        for proven in (True, False):
+            times[proven].append(rpc_round_trips(JobSecret.generate() if proven else None, sizes, repeats))
+    for size in sizes:
+        proven = statistics.median(t[size] for t in times[True])
+        plain = statistics.median(t[size] for t in times[False])
+        row = {
+            "bench": "proof",
+            "message": f"SEND of {size} bytes, answered",
+            "bytes": size,
+            "with_proof_us": round(proven * 1e6, 1),
+            "without_proof_us": round(plain * 1e6, 1),
+            "ratio": round(proven / plain, 3),
+            "rounds": rounds,
+            "repeats": repeats,
+            "cores": CORES,
+        }
+        print(json.dumps(row), flush=True)
 
 
 def bench_bandwidth(nbytes: int, repeats: int) -> None:

@@ -27,7 +27,8 @@ flight, 8 by default, 1 for one exe.run at a time, `--batches-per-run` of them t
 RUN message, 4 by default), and the same jobs the Fluid way
 (runner "fluidps launch": bench/launched.py in every process, each trainer feeding
 itself its rows of each batch, no client; `--runners` picks, and `--runners
-launch-bound` runs them with `fluidps launch --bind-cores`), next to fluidps.Executor on the same programs
+launch-bound` runs them with `fluidps launch --bind-cores`, `--runners launch-unproven` without
+the job's secret: what the proof on every message costs), next to fluidps.Executor on the same programs
 and batches ("local" rows) and, when PyTorch is importable, bench.local's
 PyTorch models (torch rows: the digits one trains with SGD, not Adam). A job row's
 vs_local is its rate over the mean of two local rates, timed just before and just after
@@ -60,6 +61,10 @@ Bandwidth (MiB/s of a 16 MiB float32 parameter, 4M elements, median of `repeats`
   (DEALER) and a subprocess (ROUTER), copy=False both ways, acknowledged by a
   small reply: the transport's ceiling on this machine, measured in this run.
 
+Proof (bench "proof"): a 4 KiB and a 16 MiB SEND's round trip through fluidps's
+RpcClient to an RpcServer subprocess, proven with a job secret and unproven (the
+server insecure), in alternating rounds: what the proof on every message costs.
+
 Every process runs one BLAS / numba thread; rows say how many processes
 shared the machine's cores. A job row also gives its setup time (servers
 started, startup run, job deployed), each process's RSS at the end, and the time
@@ -87,7 +92,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 import fluidps  # noqa: E402
-from bench.bandwidth import bench_bandwidth  # noqa: E402
+from bench.bandwidth import bench_bandwidth, bench_proof  # noqa: E402
 from bench.ceiling import raw_sync_rate  # noqa: E402
 from bench.local import load_torch, timed, torch_classifier, torch_ctr  # noqa: E402
 from bench.workloads import (  # noqa: E402
@@ -262,6 +267,7 @@ def run_launched(
     warmup: int,
     compiled: bool,
     bind_cores: bool = False,
+    proof: bool = True,
 ) -> tuple[float, dict]:
     """(samples/s, row fields) of the same training the Fluid way: bench/launched.py under
     `fluidps launch` (`--bind-cores` with `bind_cores`), each trainer feeding itself its
@@ -273,6 +279,7 @@ def run_launched(
             *("--pservers", str(pservers), "--trainers", str(trainers), "--mode", job_config(mode).mode),
             *(str(LAUNCHED), *w.launch_args, "--out", out),
             *(["--communicator"] if job_config(mode).communicator else []),
+            *([] if proof else ["--no-proof"]),
             *("--steps", str(w.steps), "--repeats", str(repeats), "--warmup", str(1 + warmup)),
         ]
         start = time.perf_counter()
@@ -285,7 +292,8 @@ def run_launched(
         results = [json.loads((Path(out) / f"trainer.{i}.json").read_text()) for i in range(trainers)]
     rate = sum(statistics.median(r["steps_per_s"]) * r["batch"] for r in results)
     fields = {
-        "runner": "fluidps launch --bind-cores" if bind_cores else "fluidps launch",
+        "runner": ("fluidps launch --bind-cores" if bind_cores else "fluidps launch")
+        + ("" if proof else " (no proof)"),
         "steps": w.steps * repeats,
         "warmup_steps": 1 + warmup,
         "loss": round(results[0]["loss"], 4),
@@ -335,7 +343,7 @@ def bench_training(
     for trainers, pservers in topologies:
         for mode in modes:
             for runner in options.runners:
-                if runner in ("launch", "launch-bound"):
+                if runner in ("launch", "launch-bound", "launch-unproven"):
                     rate, fields = run_launched(
                         w,
                         trainers,
@@ -345,6 +353,7 @@ def bench_training(
                         warmup,
                         options.compiled,
                         runner == "launch-bound",
+                        proof=runner != "launch-unproven",
                     )
                 else:
                     rate, fields = run_job(w, trainers, pservers, mode, repeats, warmup, options)
@@ -499,7 +508,8 @@ def main(argv: list[str] | None = None) -> None:
         default="RemoteExecutor,launch",
         help="how jobs run: RemoteExecutor (this process is the client), launch "
         "(bench/launched.py under fluidps launch: each trainer feeds itself) and/or launch-bound "
-        "(the same with --bind-cores; a ceiling row bound to cores too)",
+        "(the same with --bind-cores; a ceiling row bound to cores too) and/or launch-unproven (the "
+        "same as launch with no job secret, no proof on any message: what the proof costs)",
     )
     parser.add_argument(
         "--executors",
@@ -509,8 +519,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     runners = tuple(args.runners.split(","))
-    if not set(runners) <= {"RemoteExecutor", "launch", "launch-bound"}:
-        raise SystemExit(f"--runners: RemoteExecutor, launch and/or launch-bound, got {args.runners!r}")
+    if not set(runners) <= {"RemoteExecutor", "launch", "launch-bound", "launch-unproven"}:
+        raise SystemExit(
+            f"--runners: RemoteExecutor, launch, launch-bound and/or launch-unproven, got {args.runners!r}"
+        )
     executors = args.executors.split(",")
     if not executors or not set(executors) <= {"interpreted", "compiled"}:
         raise SystemExit(f"--executors: interpreted and/or compiled, got {args.executors!r}")
@@ -557,6 +569,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(bench_hashed_job_memory(args.hashed_ids)), flush=True)
     if args.bandwidth_mib > 0:
         bench_bandwidth(args.bandwidth_mib * MIB, max(int(20 * scale), 5))
+        bench_proof(args.bandwidth_mib * MIB, max(int(200 * scale), 10))
 
 
 if __name__ == "__main__":

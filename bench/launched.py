@@ -3,6 +3,7 @@ runs in every process of the job (no client process; each trainer feeds itself).
 
     python -m fluidps launch --pservers 1 --trainers 2 --mode sync bench/launched.py \\
         --workload digits_mlp --out DIR [--steps 100 --repeats 3 --warmup 20] [--communicator]
+        [--no-proof]
 
 A pserver serves; trainer i runs the trainer program on its rows of each of the
 workload's global batches (rows i*B/T .. (i+1)*B/T - 1, as RemoteExecutor splits a fed
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,7 +45,16 @@ def main() -> None:
     parser.add_argument(
         "--communicator", action="store_true", help="async: DistributeTranspilerConfig.communicator"
     )
+    parser.add_argument(
+        "--no-proof",
+        action="store_true",
+        help="every process drops the job's secret its launcher gave it and serves insecure: the same "
+        "job without the proof on its messages, to measure what the proof costs",
+    )
     args = parser.parse_args()
+    if args.no_proof:  # (read by the runtime when the first program needs it, below)
+        os.environ.pop("FLUIDPS_JOB_SECRET_FILE", None)
+        os.environ["FLUIDPS_INSECURE"] = "1"
 
     role = fluidps.role_from_env()
     w = make(args.workload, args.batch, args.steps, args.vocab)

@@ -1,4 +1,4 @@
-"""The `fluidps` command line: inspect, dot, transpile, launch, serve, keys, data,
+"""The `fluidps` command line: inspect, dot, transpile, launch, serve, keys, secret, data,
 checkpoint, k8s.
 
 Every command turns bad input into one line on stderr and exit status 2;
@@ -16,7 +16,7 @@ from fluidps.cli.data_cmd import data
 from fluidps.cli.k8s_cmd import k8s
 from fluidps.cli.launch_cmd import launch
 from fluidps.cli.program_cmds import dot, inspect
-from fluidps.cli.serve_cmd import keys, serve
+from fluidps.cli.serve_cmd import keys, secret, serve
 from fluidps.cli.transpile_cmd import transpile
 
 
@@ -32,6 +32,7 @@ main.add_command(transpile)
 main.add_command(launch)
 main.add_command(serve)
 main.add_command(keys)
+main.add_command(secret)
 main.add_command(data)
 main.add_command(checkpoint)
 main.add_command(k8s)

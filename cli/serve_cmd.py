@@ -1,5 +1,5 @@
 """`fluidps serve`: an executor server for a RemoteExecutor, one pserver, or a job's coordinator;
-`fluidps keys gen`."""
+`fluidps keys gen`; `fluidps secret gen`."""
 
 from __future__ import annotations
 
@@ -23,15 +23,20 @@ from fluidps.executor.launch.processes import READY
 from fluidps.executor.remote.executor_server import ExecutorServer
 from fluidps.executor.runtime import RuntimeConfig
 from fluidps.executor.tasks.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT, Coordinator
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.security import Security, generate_keys
 
 
-def _config(keys: str | None, insecure: bool, peer_timeout: float | None) -> RuntimeConfig:
+def _config(
+    keys: str | None, secret_file: str | None, insecure: bool, peer_timeout: float | None
+) -> RuntimeConfig:
     """The environment contract's configuration, with the command line's flags over it."""
     config = runtime_config_from_env()
     settings = config.rpc
     if keys:
         settings = settings.with_(security=Security.from_dir(keys))
+    if secret_file:
+        settings = settings.with_(secret=JobSecret.read(secret_file))
     if insecure:
         settings = settings.with_(insecure=True)
     if peer_timeout is not None:
@@ -60,7 +65,18 @@ def _config(keys: str | None, insecure: bool, peer_timeout: float | None) -> Run
 @click.option(
     "--keys", type=click.Path(file_okay=False), help="Key directory (fluidps keys gen) for CURVE encryption."
 )
-@click.option("--insecure", is_flag=True, help="Allow a non-loopback address without encryption.")
+@click.option(
+    "--secret-file",
+    type=click.Path(dir_okay=False),
+    help="The job's secret (fluidps secret gen): messages without its proof are refused. "
+    "Default: FLUIDPS_JOB_SECRET_FILE.",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Serve without the job's secret, and non-loopback addresses without encryption: "
+    "anyone who reaches the port is heard.",
+)
 @click.option(
     "--profile", is_flag=True, help="Record where this process's time goes (reported in its stats)."
 )
@@ -106,6 +122,7 @@ def serve(
     program_file: str | None,
     startup_file: str | None,
     keys: str | None,
+    secret_file: str | None,
     insecure: bool,
     peer_timeout: float | None,
     snapshot: str | None,
@@ -127,7 +144,7 @@ def serve(
     """
     stacks.dump_on_sigusr1()  # kill -USR1 shows where it waits
     try:
-        config = _config(keys, insecure, peer_timeout)
+        config = _config(keys, secret_file, insecure, peer_timeout)
         if profile:
             config = replace(config, profile=True)
         if role == "pserver":
@@ -211,3 +228,27 @@ def keys_gen(directory: str, force: bool) -> None:
     except Error as e:
         fail(str(e))
     click.echo(f"keys written to {path} (keep *.key_secret private)")
+
+
+@click.group()
+def secret() -> None:
+    """A job's secret, for processes started by hand (fluidps launch and RemoteExecutor make
+    their own)."""
+
+
+@secret.command("gen")
+@click.argument("file", type=click.Path(dir_okay=False))
+def secret_gen(file: str) -> None:
+    """Write a new job secret to FILE, readable by its owner only.
+
+    Give every process of the job the same file (FLUIDPS_JOB_SECRET_FILE=FILE, or
+    `fluidps serve --secret-file FILE`, or JobDesc(secret_file=FILE)); each message they
+    exchange proves it, and servers refuse any message that does not.
+    """
+    try:
+        JobSecret.generate().write(file)
+    except FileExistsError:
+        fail(f"{file} already exists; remove it first (processes holding the old secret stop being heard)")
+    except OSError as e:
+        fail(f"cannot write {file}: {e}")
+    click.echo(f"job secret written to {file} (mode 600)")

@@ -23,7 +23,11 @@ given no RuntimeConfig reads them when a program first needs its runtime):
   FLUIDPS_REJOIN_TIMEOUT        how long a pserver whose trainers were all evicted waits (600)
   FLUIDPS_REQUEST_TIMEOUT       seconds any reply may take
   FLUIDPS_MAX_MESSAGE_BYTES     the largest message accepted
-  FLUIDPS_KEYS, FLUIDPS_INSECURE  CURVE keys (fluidps keys gen); serve non-loopback in the clear
+  FLUIDPS_JOB_SECRET_FILE       a 0600 file holding the job's secret (fluidps secret gen): every
+                                message proves it, and servers refuse messages that do not
+  FLUIDPS_JOB_SECRET            the secret itself, in hex (from a Kubernetes Secret)
+  FLUIDPS_KEYS, FLUIDPS_INSECURE  CURVE keys (fluidps keys gen); 1: serve without a secret, and
+                                non-loopback addresses in the clear
   FLUIDPS_ELASTIC               1: trainers are disposable (pservers evict and readmit them)
   FLUIDPS_PROFILE               1: record where the process's time goes (fluidps.profiling)
   FLUIDPS_COMPILE, FLUIDPS_CACHE_DIR
@@ -55,6 +59,7 @@ import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fluidps.endpoints import format_endpoint, parse_endpoints
 from fluidps.errors import BuilderError, CheckpointError, TransportError
@@ -63,6 +68,9 @@ from fluidps.executor.ps.checkpointer import CheckpointOverrides
 from fluidps.executor.runtime import RuntimeConfig
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.transpiler.config import MODES
+
+if TYPE_CHECKING:
+    from fluidps.executor.transport.proof import JobSecret
 
 ROLES = ("PSERVER", "TRAINER")
 
@@ -87,6 +95,8 @@ CONTRACT_VARS = (
     "FLUIDPS_INCARNATION",
     "FLUIDPS_REPLACES",
     "FLUIDPS_TRAINER_INCARNATIONS",
+    "FLUIDPS_JOB_SECRET_FILE",
+    "FLUIDPS_JOB_SECRET",
 )
 
 # int() would also take "+3", "1_000" or "٣"; a rank or port is plain ASCII digits.
@@ -180,8 +190,9 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
 
 def rpc_settings_from_env(environ: Mapping[str, str] | None = None) -> RpcSettings:
     """RpcSettings from FLUIDPS_PEER_TIMEOUT, FLUIDPS_WARMUP_TIMEOUT, FLUIDPS_REJOIN_TIMEOUT,
-    FLUIDPS_REQUEST_TIMEOUT, FLUIDPS_MAX_MESSAGE_BYTES, FLUIDPS_KEYS, FLUIDPS_INSECURE and
-    FLUIDPS_ELASTIC (os.environ unless given)."""
+    FLUIDPS_REQUEST_TIMEOUT, FLUIDPS_MAX_MESSAGE_BYTES, FLUIDPS_JOB_SECRET_FILE or
+    FLUIDPS_JOB_SECRET, FLUIDPS_KEYS, FLUIDPS_INSECURE and FLUIDPS_ELASTIC (os.environ
+    unless given)."""
     env = os.environ if environ is None else environ
     settings = RpcSettings()
     for var, field in (
@@ -207,9 +218,11 @@ def rpc_settings_from_env(environ: Mapping[str, str] | None = None) -> RpcSettin
         settings = settings.with_(security=Security.from_dir(env["FLUIDPS_KEYS"]))
     if env.get("FLUIDPS_INSECURE") == "1":
         settings = settings.with_(insecure=True)
+    secret = job_secret_from_env(env)
+    if secret is not None:
+        settings = settings.with_(secret=secret)
     if env.get(TRAINER_INCARNATIONS_ENV, "").strip():
-        texts = env[TRAINER_INCARNATIONS_ENV].split(",")
-        incarnations = tuple(_incarnation(t, TRAINER_INCARNATIONS_ENV, required=True) for t in texts)
+        incarnations = parse_incarnations(env[TRAINER_INCARNATIONS_ENV], TRAINER_INCARNATIONS_ENV)
         settings = settings.with_(trainer_incarnations=incarnations)
     return settings
 
@@ -228,6 +241,24 @@ def runtime_config_from_env(environ: Mapping[str, str] | None = None) -> Runtime
     )
 
 
+SECRET_FILE_ENV, SECRET_ENV = "FLUIDPS_JOB_SECRET_FILE", "FLUIDPS_JOB_SECRET"
+
+
+def job_secret_from_env(environ: Mapping[str, str] | None = None) -> JobSecret | None:
+    """The job's secret from FLUIDPS_JOB_SECRET_FILE or FLUIDPS_JOB_SECRET (not both), or None."""
+    from fluidps.executor.transport.proof import JobSecret  # (local training never needs it)
+
+    env = os.environ if environ is None else environ
+    path, text = env.get(SECRET_FILE_ENV, "").strip(), env.get(SECRET_ENV, "").strip()
+    if path and text:
+        raise TransportError(f"set {SECRET_FILE_ENV} or {SECRET_ENV}, not both: they could disagree")
+    if path:
+        return JobSecret.read(path)
+    if text:
+        return JobSecret.from_hex(text, SECRET_ENV)
+    return None
+
+
 # Set by a launcher: each process's incarnation and, for a restarted one, its predecessor's;
 # on pservers, every trainer's.
 INCARNATION_ENV, REPLACES_ENV = "FLUIDPS_INCARNATION", "FLUIDPS_REPLACES"
@@ -238,6 +269,16 @@ _HEX = re.compile(r"[0-9a-f]{1,16}")
 def new_incarnation() -> str:
     """A fresh incarnation, as a launcher writes it into FLUIDPS_INCARNATION."""
     return f"{secrets.randbits(63) | 1:x}"
+
+
+def parse_incarnations(text: str, name: str) -> tuple[int, ...]:
+    """Incarnations written in hex, comma-separated (FLUIDPS_TRAINER_INCARNATIONS)."""
+    return tuple(_incarnation(t, name, required=True) for t in text.split(","))
+
+
+def parse_incarnation(text: str, name: str) -> int:
+    """One incarnation written in hex (FLUIDPS_INCARNATION)."""
+    return _incarnation(text, name, required=True)
 
 
 def _incarnation(text: str, name: str, required: bool = False) -> int:

@@ -15,6 +15,7 @@ Kubernetes' own), and knows only these calls."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -59,7 +60,9 @@ class LocalKubelet:
         ] = {}  # -> (process, ip, port)
         self._next_ip = 0
 
-    def start(self, job: dict[str, Any], configmaps: dict[str, dict[str, Any]]) -> None:
+    def start(
+        self, job: dict[str, Any], configmaps: dict[str, dict[str, Any]], secrets: dict[str, dict[str, Any]]
+    ) -> None:
         template = job["spec"]["template"]
         (container,) = template["spec"]["containers"]
         port = container["ports"][0]["containerPort"]
@@ -72,6 +75,10 @@ class LocalKubelet:
             for var in container.get("env", []):
                 if "value" in var:
                     env[var["name"]] = _expand(var["value"], env)
+                    continue
+                if "secretKeyRef" in var["valueFrom"]:
+                    ref = var["valueFrom"]["secretKeyRef"]
+                    env[var["name"]] = base64.b64decode(secrets[ref["name"]]["data"][ref["key"]]).decode()
                     continue
                 path = var["valueFrom"]["fieldRef"]["fieldPath"]
                 env[var["name"]] = (
@@ -272,7 +279,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.api.objects[key] = body
             if route["plural"] == "jobs" and self.api.kubelet is not None:
                 configmaps = {n: o for (pl, _, n), o in self.api.objects.items() if pl == "configmaps"}
-                self.api.kubelet.start(body, configmaps)
+                secrets = {n: o for (pl, _, n), o in self.api.objects.items() if pl == "secrets"}
+                self.api.kubelet.start(body, configmaps, secrets)
         self._send(201, body)
 
     def do_GET(self) -> None:

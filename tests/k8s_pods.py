@@ -4,6 +4,7 @@ expanded, the Downward API's annotation), as the kubelet builds it."""
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,7 @@ def role_job(objects: Sequence[dict[str, Any]], role: str) -> dict[str, Any]:
 
 def pod_env(objects: Sequence[dict[str, Any]], role: str, index: int) -> dict[str, str]:
     """The environment of pod `index` of `role`'s Indexed Job: envFrom ConfigMaps first,
-    then `env` in order (a $(VAR) naming a variable defined before it is expanded, as the
+    then `env` in order (a secretKeyRef read from the Secret rendered with them) (a $(VAR) naming a variable defined before it is expanded, as the
     kubelet does), the completion index from the annotation the Job controller sets."""
     template = role_job(objects, role)["spec"]["template"]
     annotations = {**template["metadata"].get("annotations", {}), INDEX_ANNOTATION: str(index)}
@@ -41,6 +42,11 @@ def pod_env(objects: Sequence[dict[str, Any]], role: str, index: int) -> dict[st
     for var in container.get("env", []):
         if "value" in var:
             env[var["name"]] = _REFERENCE.sub(lambda m: env.get(m[1], m[0]), var["value"])
+        elif "secretKeyRef" in var["valueFrom"]:
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = base64.b64decode(
+                find(objects, "Secret", ref["name"])["data"][ref["key"]]
+            ).decode()
         else:
             path = var["valueFrom"]["fieldRef"]["fieldPath"]
             match = _ANNOTATION.fullmatch(path)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import zmq
 
 from fluidps.endpoints import pick_free_ports, zmq_address
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.rpc import Request, RpcClient, RpcServer
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, decode
@@ -22,7 +23,11 @@ TRANSPORTS = ["tcp", "ipc", "inproc"]
 # dead peers use a small peer timeout and a request timeout LONG on purpose: which
 # error surfaces (PeerLostError, not "did not answer ... within") tells which one fired.
 LONG = 120.0
-FAST = RpcSettings(heartbeat_interval=0.1, peer_timeout=10.0, request_timeout=30.0, retry_after=0.3)
+# Every server of these tests belongs to a job: its messages prove this secret.
+SECRET = JobSecret.generate()
+FAST = RpcSettings(
+    heartbeat_interval=0.1, peer_timeout=10.0, request_timeout=30.0, retry_after=0.3, secret=SECRET
+)
 DEAD = FAST.with_(peer_timeout=1.0, request_timeout=LONG)
 # A hang guard, not a speed claim: a wait that an event (a dead peer, a wake) should
 # end must end well before the LONG timeout it would otherwise run into.
@@ -127,9 +132,16 @@ def endpoint_for(kind: str, tmp_path) -> str:
     return f"inproc://rpc-{uuid.uuid4().hex}"
 
 
-def recv(dealer: zmq.Socket, timeout: float = 10.0) -> Message:
+def recv(dealer: zmq.Socket, timeout: float = 10.0, secret: JobSecret | None = SECRET) -> Message:
+    """The next message on a raw DEALER, checked with `secret` (None: an unsigned refusal)."""
     assert dealer.poll(int(timeout * 1000)), "no reply within the bound"
-    return decode(dealer.recv_multipart(copy=False))
+    return decode(dealer.recv_multipart(copy=False), secret)
+
+
+def signed(frames: list) -> list:
+    """`frames` with frame 0 proven with the tests' secret, whatever it holds."""
+    head = bytes(frames[0])
+    return [SECRET.tag(head) + head, *frames[1:]]
 
 
 def lose_requests(server: RpcServer, lose: Callable[[Request], bool]) -> list[int]:
@@ -141,7 +153,7 @@ def lose_requests(server: RpcServer, lose: Callable[[Request], bool]) -> list[in
         request = accept(frames)
         if request is not None and lose(request):
             lost.append(request.msg.request_id)
-            server._clients[request.client].pending.discard(request.msg.request_id)
+            server.peers.connections[request.client].pending.discard(request.msg.request_id)
             return None
         return request
 

@@ -25,7 +25,7 @@ from typing import Any
 from fluidps.endpoints import format_endpoint
 from fluidps.errors import BuilderError, DatasetError
 from fluidps.executor import peer_exit
-from fluidps.executor.env import CONTRACT_VARS
+from fluidps.executor.env import CONTRACT_VARS, SECRET_ENV
 from fluidps.executor.launch.launcher import POLL_S, Child, Launcher, describe_exit, exit_status
 from fluidps.executor.launch.processes import thread_limits
 from fluidps.executor.launch.progress import CoordinatorWatch, ProgressBar
@@ -107,6 +107,7 @@ class DatasetLauncher(Launcher):
         for var in CONTRACT_VARS:
             env.pop(var, None)
         env.update(PYTHONUNBUFFERED="1", **thread_limits(1))
+        env[SECRET_ENV] = self.secret.hex()
         command = [
             self.python, "-m", "fluidps", "serve", "--role", "coordinator",
             "--endpoint", self.coordinator,
@@ -120,7 +121,9 @@ class DatasetLauncher(Launcher):
 
     def _supervise(self) -> int:
         job = self.dataset_job
-        watch = self._watch = CoordinatorWatch(self.coordinator, RpcSettings(peer_timeout=5.0))
+        watch = self._watch = CoordinatorWatch(
+            self.coordinator, RpcSettings(peer_timeout=5.0, secret=self.secret)
+        )
         bar = ProgressBar(self._stderr or sys.stderr, job.progress)
         budget = RestartBudget(job.max_restarts, job.restart_window)
         due: dict[str, tuple[float, Child]] = {}  # restarts waiting out their backoff

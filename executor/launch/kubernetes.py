@@ -7,6 +7,8 @@ For a job named NAME of P pservers and T trainers in namespace NS, `render` give
   PADDLE_TRAINERS_NUM, PADDLE_PORT, FLUIDPS_MODE, the keys' or FLUIDPS_INSECURE, and
   the checkpoint and dataset settings;
 - a Secret NAME-keys with the CURVE keys (`fluidps keys gen`), mounted read-only;
+- a Secret NAME-job with the job's secret (fluidps.executor.transport.proof), which every
+  pod's FLUIDPS_JOB_SECRET takes: each message of the job proves it;
 - per role (pserver, trainer, and coordinator when the job reads a dataset) a headless
   Service NAME-ROLE and an Indexed Job NAME-ROLE whose pods are NAME-ROLE-<i>, with
   `subdomain` set, so that pserver i is NAME-pserver-<i>.NAME-pserver.NS.svc. The index
@@ -36,6 +38,10 @@ from typing import Any
 
 from fluidps.errors import BuilderError
 from fluidps.executor.peer_exit import PEER_FAILURE_STATUS
+from fluidps.executor.transport.proof import JobSecret
+
+SECRET_ENV = "FLUIDPS_JOB_SECRET"  # (fluidps.executor.env reads it)
+SECRET_KEY = "secret"  # the job secret's key in the Secret NAME-job
 
 CONTAINER = "fluidps"
 PORT_NAME = "fluidps"
@@ -143,6 +149,7 @@ class KubernetesJob:
     dataset: str | None = None
     serve: bool = False
     compile: bool | None = None
+    secret: JobSecret | None = None  # the job's (JobDesc makes one); None: rendered without
 
     def roles(self) -> dict[str, int]:
         """Replicas by role, in the order the objects come."""
@@ -301,12 +308,20 @@ def contract(job: KubernetesJob) -> dict[str, str]:
 
 
 def _role_env(job: KubernetesJob, role: str) -> list[dict[str, Any]]:
+    secret = []
+    if job.secret is not None:
+        reference = {"name": f"{job.name}-job", "key": SECRET_KEY}
+        secret = [{"name": SECRET_ENV, "valueFrom": {"secretKeyRef": reference}}]
     if job.serve:  # an executor server listens on its pod's own address
-        return [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        return [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, *secret]
     index = {"valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}
     if role == "trainer":
-        return [{"name": "TRAINING_ROLE", "value": "TRAINER"}, {"name": "PADDLE_TRAINER_ID", **index}]
-    env = [{"name": INDEX_ENV, **index}]
+        return [
+            {"name": "TRAINING_ROLE", "value": "TRAINER"},
+            {"name": "PADDLE_TRAINER_ID", **index},
+            *secret,
+        ]
+    env = [{"name": INDEX_ENV, **index}, *secret]
     if role == "pserver":
         own = f"{job.name}-pserver-$({INDEX_ENV}).{job.name}-pserver.{job.cluster.namespace}.svc"
         env += [{"name": "TRAINING_ROLE", "value": "PSERVER"}, {"name": "POD_IP", "value": own}]
@@ -467,6 +482,16 @@ def render(job: KubernetesJob) -> list[dict[str, Any]]:
                 "metadata": _metadata(job, f"{job.name}-keys"),
                 "type": "Opaque",
                 "data": data,
+            }
+        )
+    if job.secret is not None:
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": _metadata(job, f"{job.name}-job"),
+                "type": "Opaque",
+                "data": {SECRET_KEY: base64.b64encode(job.secret.hex().encode()).decode()},
             }
         )
     if job.gang:

@@ -36,10 +36,12 @@ from fluidps.executor.env import (
     CONTRACT_VARS,
     INCARNATION_ENV,
     REPLACES_ENV,
+    SECRET_ENV,
     TRAINER_INCARNATIONS_ENV,
     new_incarnation,
 )
 from fluidps.executor.launch.processes import reap_group, stop_groups, thread_limits
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.transpiler.config import MODES
 
 POLL_S = 0.05
@@ -70,9 +72,11 @@ def job_environments(
     mode: str,
     base: Mapping[str, str] | None = None,
     extra: Mapping[str, str] | None = None,
+    secret: JobSecret | None = None,
 ) -> list[tuple[str, dict[str, str]]]:
     """(name, environment) of every process: the pservers, then the trainers. `extra`
-    goes to every one of them (a dataset job's coordinator and checkpoint settings)."""
+    goes to every one of them (a dataset job's coordinator and checkpoint settings), and
+    so does the job's `secret` (a new one unless given: transport.proof)."""
     env = dict(os.environ if base is None else base)
     for var in CONTRACT_VARS:  # a launcher run inside a job must not pass its own role on
         env.pop(var, None)
@@ -82,6 +86,7 @@ def job_environments(
         FLUIDPS_MODE=mode,
         PYTHONUNBUFFERED="1",  # lines show up as they are printed, not when a buffer fills
         FLUIDPS_STACKS_ON_SIGUSR1="1",  # kill -USR1 shows where a process waits
+        **{SECRET_ENV: (secret or JobSecret.generate()).hex()},
         **(extra or {}),
     )
     # Each process gets its share of the cores unless the user set thread counts.
@@ -174,6 +179,9 @@ class Launcher:
             self.cores = sorted(os.sched_getaffinity(0))
         self.children: list[Child] = []
         self.endpoints: list[str] = []
+        # Each run is a job with a secret of its own, in the environment of every process it
+        # starts: nothing outside the job is heard (fluidps.executor.transport.proof).
+        self.secret: JobSecret | None = None
         self.announce_pids = False  # say each process's pid as it starts (restarts make it useful)
         self._retired: list[Child] = []  # processes that died and were started again
         self._out_lock = threading.Lock()
@@ -318,11 +326,12 @@ class Launcher:
                     raise BuilderError(f"cannot create log directory {self.log_dir}: {e}") from None
             ports = pick_free_ports(self.host, self.pservers + self.extra_ports, self.start_port)
             self.endpoints = [format_endpoint(self.host, p) for p in ports[: self.pservers]]
+            self.secret = JobSecret.generate()
             extra = self._job_environment(ports[self.pservers :])
             self._say(self._describe())
             self._start_helpers()
             for name, env in job_environments(
-                self.host, ports[: self.pservers], self.trainers, self.mode, extra=extra
+                self.host, ports[: self.pservers], self.trainers, self.mode, extra=extra, secret=self.secret
             ):
                 if self._signal is not None:
                     break

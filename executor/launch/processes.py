@@ -28,6 +28,8 @@ from pathlib import Path
 
 from fluidps.endpoints import format_endpoint
 from fluidps.errors import TransportError
+from fluidps.executor.env import SECRET_ENV, SECRET_FILE_ENV
+from fluidps.executor.transport.proof import JobSecret
 
 READY = " ready on "
 # After SIGKILL a process is gone within milliseconds unless stuck in the kernel;
@@ -132,6 +134,7 @@ class ServeProcess:
         threads: int | None = None,
         role: str = "executor",
         extra_args: list[str] | None = None,
+        secret: JobSecret | None = None,
     ):
         self.name = name
         self.log_path = log_path
@@ -145,6 +148,10 @@ class ServeProcess:
         if peer_timeout is not None:
             command += ["--peer-timeout", str(peer_timeout)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(SECRET_FILE_ENV, None)  # (one of this process's job, if it runs in one)
+        env.pop(SECRET_ENV, None)
+        if secret is not None:  # the job's, in its environment: readable by this user only
+            env[SECRET_ENV] = secret.hex()
         for name, value in thread_limits(threads).items():
             env.setdefault(name, value)
         with open(log_path, "wb") as log:

@@ -6,7 +6,7 @@ pserver knows, is alive. Its requests wait, in the order they came, until the ho
 evicted for its silence; then they are handled as if they had just arrived. A holder
 that keeps proving alive for longer than its allowance and a peer timeout is not gone:
 two processes were started with one trainer id, and the claim is refused, saying so.
-At most CLAIMS_LIMIT connections wait at once (a stranger could open many).
+At most CLAIMS_LIMIT connections wait at once, with at most QUEUE_LIMIT requests each.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from fluidps.executor.transport.rpc import Request
 from fluidps.executor.transport.settings import RpcSettings
 
 CLAIMS_LIMIT = 64  # connections whose new incarnation waits for a trainer id (more are refused)
+QUEUE_LIMIT = 1024  # requests waiting behind one claim (a trainer has a few in flight)
 
 
 class WaitingClaims:
@@ -45,9 +46,12 @@ class WaitingClaims:
         self._waiting: dict[bytes, tuple[float, list[Request]]] = {}  # connection -> (since, requests)
 
     def queue(self, request: Request) -> bool:
-        """Whether `request` came on a connection whose claim waits: then it waits behind."""
+        """Whether `request` came on a connection whose claim waits: then it waits behind
+        (up to QUEUE_LIMIT requests; later ones are refused)."""
         waiting = self._waiting.get(request.client)
-        if waiting is not None:
+        if waiting is not None and len(waiting[1]) >= QUEUE_LIMIT:
+            self._refuse(request, f"{QUEUE_LIMIT} requests already wait behind this connection's claim")
+        elif waiting is not None:
             waiting[1].append(request)
         return waiting is not None
 

@@ -42,7 +42,9 @@ class Keepalive:
 
     def _run(self) -> None:
         sockets: list[zmq.Socket] = []
-        beat = encode(Message(Kind.HEARTBEAT, trainer_id=self.trainer_id, sender=self.sender))
+        beat = encode(
+            Message(Kind.HEARTBEAT, trainer_id=self.trainer_id, sender=self.sender), self.settings.secret
+        )
         try:
             while True:
                 while not self._added.empty():

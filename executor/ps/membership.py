@@ -149,8 +149,8 @@ class Membership:
             self._rejoin(trainer, sender)
         elif not member.heard:
             raise TransportError(
-                f"trainer {trainer} of this job is incarnation {member.sender:x} (FLUIDPS_TRAINER_INCARNATIONS, "
-                f"as its launcher said), not {sender:x}: refused"
+                f"trainer {trainer} of this job is incarnation {member.sender:x} (as the launcher or client "
+                f"that started the job said), not {sender:x}: refused"
             )
         elif not self.elastic:
             raise TransportError(

@@ -47,6 +47,7 @@ from fluidps.executor.ps.joined_blocks import JoinedBlocks
 from fluidps.executor.ps.membership import DONE, Claim, Membership
 from fluidps.executor.ps.message_limit import message_limit
 from fluidps.executor.ps.rows_first import RowsFirst, SplitBlock, split_block
+from fluidps.executor.ps.set_check import set_problem
 from fluidps.executor.ps.strategies import STRATEGIES
 from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message
@@ -66,6 +67,7 @@ _PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (s
 
 # What a pserver remembers for its stats stays bounded however long the job runs.
 CLOCK_LOG_LIMIT = 100_000  # clock and grant events
+LOG_LIMIT = 10_000  # lines of its log
 STALL_LOG_S = 30.0  # requests waiting this long on a step: the pserver says what for
 
 
@@ -127,13 +129,13 @@ class ParameterServer:
             self.members,
             self.settings,
             refuse=lambda request, why: self.server.error(request, f"{self.name}: {why}"),
-            heard=lambda key: self.server.heard.get(key),
+            heard=lambda key: self.server.clock(key),
             log=self.log,
         )
         # Async: SENDs acknowledged once their gradients are applied, and when that is.
         self.unapplied: list[tuple[Request, Callable[[], bool]]] = []
         self._waker: Waker | None = None
-        self.log_lines: list[str] = []
+        self.log_lines: deque[str] = deque(maxlen=LOG_LIMIT)
         self.last_heard = time.monotonic()
         self.locks = {i: threading.Lock() for i in self.blocks}
         self.lock_of = {name: self.locks[i] for i in self.blocks for name in self.blocks[i].writes}
@@ -351,7 +353,9 @@ class ParameterServer:
         before = self.members.members[trainer].sender
         self.members.admit(trainer, msg.sender, request.client, msg.replaces)
         member = self.members.members[trainer]
+        self.server.track((trainer, member.sender))
         if before and member.sender != before:  # a new incarnation replaced an old one
+            self.server.untrack((trainer, before))
             self._forget(trainer)
         if member.state == DONE and msg.kind != Kind.COMPLETE:
             raise TransportError(f"trainer {trainer} already said it is done")
@@ -383,7 +387,7 @@ class ParameterServer:
         for grad, value in msg.tensors.items():
             if isinstance(value, SelectedRows):
                 self.received_rows.setdefault(grad, RowLog()).add(value.rows)
-        if (silence := self.server.heard.get((msg.trainer_id, msg.sender))) is not None:
+        if (silence := self.server.clock((msg.trainer_id, msg.sender))) is not None:
             silence.warm = True  # it sent a step: its kernels are compiled
         applied = self.strategy.on_gradients(msg.trainer_id, msg.step, msg.tensors)
         if applied is not None and not applied():
@@ -424,7 +428,7 @@ class ParameterServer:
         now = time.monotonic()
         for trainer in sorted(self.members.active):
             member = self.members.members[trainer]
-            silence = self.server.heard.get((trainer, member.sender)) if member.sender else None
+            silence = self.server.clock((trainer, member.sender)) if member.sender else None
             if silence is None:  # not heard from yet: it may still be importing and transpiling
                 silent, allowed = (
                     now - self._started,
@@ -438,6 +442,7 @@ class ParameterServer:
                 continue
             why = f"not heard from for {silent:.1f} s, allowed {allowed:.1f} s (it is down, hung or cut off)"
             self.members.lose(trainer, why)
+            self.server.untrack((trainer, member.sender))
             if not self.members.elastic:
                 error = f"{self.name}: trainer {trainer} was {why}; the job cannot go on without it"
                 for waiting in self.deferred:
@@ -547,24 +552,22 @@ class ParameterServer:
                 self.deferred.append(request)
 
     def _on_set(self, request: Request) -> None:
-        """Overwrite persistable variables (loading saved values)."""
+        """Overwrite persistable variables (loading saved values): each value must be what
+        the variable is, checked for all of them before any is stored."""
         for name, value in request.msg.tensors.items():
-            current = self.env.get(name)
-            if name not in self.served or current is None:
-                raise ExecutionError(f"cannot set {name!r}: this pserver holds no such variable")
-            if isinstance(current, np.ndarray) and (
-                value.shape != current.shape or value.dtype != current.dtype
-            ):
-                raise ExecutionError(
-                    f"cannot set {name!r}: got {value.dtype}{list(value.shape)}, it is {current.dtype}{list(current.shape)}"
-                )
+            problem = set_problem(self.env.get(name) if name in self.served else None, value)
+            if problem is not None:
+                raise ExecutionError(f"cannot set {name!r}: {problem}")
         # A value that came over TCP is this process's own memory (its frame): the pserver
         # keeps it as it is. An inproc frame may be the sender's array itself: copied.
         own = not self.server.address.startswith("inproc://")
         for name, value in request.msg.tensors.items():
-            keep = own and isinstance(value, np.ndarray) and value.flags.writeable and value.flags.aligned
+            if isinstance(value, SelectedRows):  # (its frames are read-only views)
+                value = SelectedRows(np.array(value.rows), np.array(value.value), value.height)
+            elif not (own and value.flags.writeable and value.flags.aligned):
+                value = np.array(value, copy=True)
             with self.locked(name):
-                self.env[name] = value if keep else np.array(value, copy=True)
+                self.env[name] = value
         self.server.reply(request)
 
     def locked(self, name: str) -> contextlib.AbstractContextManager:

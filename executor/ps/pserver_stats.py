@@ -40,10 +40,17 @@ def snapshot(ps: ParameterServer, compact: bool = False) -> dict[str, Any]:
         "deferred_gets": len(ps.deferred),
         "unapplied_sends": len(ps.unapplied),
         "rejected": ps.server.rejected if ps.server else 0,
+        "unproven": ps.server.unproven if ps.server else 0,  # of those: without the job's proof
+        "incarnations": {str(t): f"{m.sender:x}" for t, m in ps.members.members.items()},  # 0: not known yet
+        "peers": {  # what it keeps of its peers (bounded: fluidps.executor.transport.peers)
+            "connections": len(ps.server.peers.connections) if ps.server else 0,
+            "clocks": len(ps.server.peers.clocks) if ps.server else 0,
+            "cached_reply_bytes": ps.server.peers.cached_bytes if ps.server else 0,
+        },
         "received_row_counts": {grad: log.total for grad, log in ps.received_rows.items()},
         "checkpoints": list(ps.checkpoints.saved),
         "restored_step": ps.checkpoints.restored_step,
-        "log": ps.log_lines[-200:] if compact else list(ps.log_lines),
+        "log": list(ps.log_lines)[-200:] if compact else list(ps.log_lines),
         "hashed_tables": {n: v.stats() for n in ps.served if isinstance(v := ps.env.get(n), SparseTable)},
         "rss_bytes": resident_bytes(),
         "compiled_ops": sum(r.compiled_ops for r in runners),  # 0: interpreted

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from fluidps.endpoints import format_endpoint
-from fluidps.errors import Error, TransportError, UnsupportedError
+from fluidps.errors import BuilderError, Error, TransportError, UnsupportedError
 from fluidps.executor.launch.processes import ServeProcess, kill_all
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.rpc import RpcClient, wait_all
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
@@ -53,6 +54,17 @@ def _serve_flags(job: JobDesc) -> list[str]:
 
 class Cluster:
     def __init__(self, job: JobDesc, settings: RpcSettings):
+        # The job's secret: the one given (secret_file), or a new one when this client starts
+        # every server itself; the servers it starts get it in their environment.
+        external = bool(job.pserver_servers or job.trainer_servers)
+        if job.secret_file is None and not external:
+            settings = settings.with_(secret=JobSecret.generate())
+        elif job.secret_file is None and settings.security is None and not settings.insecure:
+            raise BuilderError(
+                "some of the job's servers are run by someone else: give JobDesc(secret_file=...), the job "
+                "secret file their `fluidps serve --secret-file` reads (`fluidps secret gen FILE` makes "
+                "one), or keys_dir= for CURVE keys"
+            )
         self.settings = settings
         self.context = zmq.Context()
         self.own_logs = job.log_dir is None
@@ -95,6 +107,7 @@ class Cluster:
                     job.peer_timeout,
                     threads,
                     extra_args=_serve_flags(job),
+                    secret=self.settings.secret,
                 )
                 self.processes.append(started[name])
         deadline = time.monotonic() + job.start_timeout
@@ -113,7 +126,7 @@ class Cluster:
         its pod's address; its pserver loops will listen at the next port."""
         from fluidps.executor.launch.kubernetes_client import KubernetesClient  # the k8s extra
 
-        objects = job.kubernetes_servers()
+        objects = job.kubernetes_servers(self.settings.secret)
         client = KubernetesClient()
         client.create_all(objects)
         self.kubernetes = client  # from here on, closing deletes them
@@ -149,6 +162,7 @@ class Cluster:
             threads=1,
             role="coordinator",
             extra_args=["--snapshot", str(self.log_dir / "coordinator.json")],
+            secret=self.settings.secret,
         )
         self.processes.append(process)
         address = process.wait_ready(job.start_timeout)

@@ -23,12 +23,15 @@ import queue
 import threading
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import zmq
 
-from fluidps.errors import EOFException, Error, NoDataYet
+from fluidps.errors import BuilderError, EOFException, Error, NoDataYet
+from fluidps.executor.block_runner import describe
+from fluidps.executor.env import parse_incarnation, parse_incarnations
 from fluidps.executor.executor import Executor
 from fluidps.executor.resources import resident_bytes
 from fluidps.executor.runtime import RuntimeConfig
@@ -38,6 +41,7 @@ from fluidps.ir.program import Program
 
 # The program a trainer runs after skipping a step: its startup's recv, without readers.
 REFRESH = "refresh"
+_SETTINGS = ("coordinator", "incarnation", "trainer_incarnations")  # what CONFIGURE sets
 
 
 @dataclass
@@ -160,14 +164,37 @@ class ExecutorServer:
             self.server.error(request, f"{self.name}: {e}")
 
     def _configure(self, text: str) -> None:
-        """The job's coordinator: this executor's readers take their tasks from it, and,
-        driven step by step by a client, return (NO_TASK) rather than wait for one."""
-        address = json_fields(text, {"coordinator": str})["coordinator"]
-        if not address.startswith(("tcp://", "ipc://")):
-            raise Error(f"CONFIGURE: the coordinator's address must be tcp:// or ipc://, got {address!r}")
-        readers = self.exe.runtime.readers
-        readers.coordinator = address
-        readers.wait_for_tasks = False
+        """One setting of the job (JSON {name: text}). "coordinator": its address, where this
+        executor's readers take their tasks (driven step by step by a client, they return
+        NO_TASK rather than wait for one). Before anything of the job runs: "incarnation",
+        the one this trainer speaks as, or "trainer_incarnations", those a pserver's trainers
+        speak as (comma-separated hex), so that no other process can take a trainer's id."""
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or len(body) != 1 or next(iter(body)) not in _SETTINGS:
+            raise Error(f"CONFIGURE takes one of {', '.join(_SETTINGS)} as JSON, got {text[:200]!r}")
+        name = next(iter(body))
+        value = json_fields(text, {name: str})[name]
+        if name == "coordinator":
+            if not value.startswith(("tcp://", "ipc://")):
+                raise Error(f"CONFIGURE: the coordinator's address must be tcp:// or ipc://, got {value!r}")
+            readers = self.exe.runtime.readers
+            readers.coordinator = value
+            readers.wait_for_tasks = False
+            return
+        if self.exe.has_runtime or self.programs:
+            raise Error(f"CONFIGURE {name} before the job loads or runs anything here")
+        try:
+            if name == "incarnation":
+                config = replace(self.config, incarnation=parse_incarnation(value, name))
+            else:
+                rpc = self.config.rpc.with_(trainer_incarnations=parse_incarnations(value, name))
+                config = replace(self.config, rpc=rpc)
+        except BuilderError as e:
+            raise Error(f"CONFIGURE: {e}") from None
+        self.exe = Executor(runtime_config=config, compile=self.compile)
 
     def _program(self, name: str) -> Program:
         if name not in self.programs:
@@ -199,6 +226,16 @@ class ExecutorServer:
         unknown = [n for n in msg.names if n not in self.exe.scope]
         if unknown:
             raise Error(f"its scope holds no variable {', '.join(map(repr, unknown))}")
+        for name, value in msg.tensors.items():  # all checked before any is stored
+            current = self.exe.scope.find(name)
+            if current is None:
+                raise Error(
+                    f"cannot set {name!r}: its scope holds no such variable (run the startup program)"
+                )
+            if type(value) is not type(current) or (
+                isinstance(value, np.ndarray) and (value.shape, value.dtype) != (current.shape, current.dtype)
+            ):
+                raise Error(f"cannot set {name!r}: got {describe(value)}, it holds {describe(current)}")
         for name, value in msg.tensors.items():
             self.exe.scope[name] = value
         self._stale = self._stale or bool(msg.names)

@@ -10,6 +10,7 @@ from typing import Any
 from fluidps.endpoints import parse_endpoints
 from fluidps.errors import BuilderError
 from fluidps.executor.launch.kubernetes import KubernetesCluster, KubernetesJob, Resources, render
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.security import Security
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.transpiler.config import DistributeTranspilerConfig
@@ -51,6 +52,10 @@ class JobDesc:
     trainer_servers: Sequence[str] = ()
     pserver_endpoints: Sequence[str] = ()
     keys_dir: str | None = None
+    # The job's secret (fluidps.executor.transport.proof): a file `fluidps secret gen` wrote,
+    # which servers someone else runs read too (`fluidps serve --secret-file`). None: a new
+    # secret for the servers this client starts.
+    secret_file: str | None = None
     insecure: bool = False
     peer_timeout: float = 10.0
     start_timeout: float = 120.0
@@ -105,15 +110,21 @@ class JobDesc:
             raise BuilderError("with cluster, the job's servers are its pods: give no servers or endpoints")
         self.transpiler_config()  # a bad mode fails here, not at the first step
 
-    def kubernetes_servers(self) -> list[dict[str, Any]]:
+    def kubernetes_servers(self, secret: JobSecret | None = None) -> list[dict[str, Any]]:
         """The objects of this job's executor servers as pods of `cluster` (a RemoteExecutor
-        creates them): `fluidps serve` in every pserver and trainer pod."""
+        creates them): `fluidps serve` in every pserver and trainer pod, which read the job's
+        `secret` (a new one if not given) from a Secret."""
         if self.cluster is None:
             raise BuilderError("this job names no cluster: JobDesc(cluster=fluidps.KubernetesCluster(...))")
-        return render(self._kubernetes_job(self.cluster, None, serve=True))
+        return render(self._kubernetes_job(self.cluster, None, serve=True, secret=secret))
 
-    def _kubernetes_job(self, cluster: KubernetesCluster, dataset: str | None, serve: bool) -> KubernetesJob:
+    def _kubernetes_job(
+        self, cluster: KubernetesCluster, dataset: str | None, serve: bool, secret: JobSecret | None = None
+    ) -> KubernetesJob:
+        if secret is None:
+            secret = JobSecret.read(self.secret_file) if self.secret_file else JobSecret.generate()
         return KubernetesJob(
+            secret=secret,
             name=self.name,
             pservers=self.pservers,
             trainers=self.trainers,
@@ -153,4 +164,7 @@ class JobDesc:
 
     def rpc_settings(self) -> RpcSettings:
         security = Security.from_dir(self.keys_dir) if self.keys_dir else None
-        return RpcSettings(peer_timeout=self.peer_timeout, security=security, insecure=self.insecure)
+        secret = JobSecret.read(self.secret_file) if self.secret_file else None
+        return RpcSettings(
+            peer_timeout=self.peer_timeout, security=security, secret=secret, insecure=self.insecure
+        )

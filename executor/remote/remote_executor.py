@@ -48,6 +48,7 @@ import numpy as np
 
 from fluidps.endpoints import free_endpoints
 from fluidps.errors import EOFException, Error, ExecutionError, UnsupportedError
+from fluidps.executor.env import new_incarnation
 from fluidps.executor.executor import Executor, FetchTarget, _fetch_name
 from fluidps.executor.remote.batches import batch_size, combine_fetches, split_feed
 from fluidps.executor.remote.cluster import Cluster
@@ -365,6 +366,15 @@ class RemoteExecutor:
         plan = plans[0]
         try:
             pservers = self._cluster.role("pserver")
+            # Each trainer's incarnation, known to the pservers before any trainer speaks: no
+            # other process can take a trainer's id (fluidps.executor.ps.membership).
+            incarnations = [new_incarnation() for _ in trainers]
+            self._cluster.call_all(
+                {t.client: _configure("incarnation", i) for t, i in zip(trainers, incarnations, strict=True)}
+            )
+            self._cluster.call_all(
+                {s.client: _configure("trainer_incarnations", ",".join(incarnations)) for s in pservers}
+            )
             self._cluster.call_all(
                 {
                     s.client: _load("startup", plan.pserver_startups[ep])
@@ -385,8 +395,7 @@ class RemoteExecutor:
             reads = _reads_dataset(program)
             if reads:  # the trainers read their batches from a coordinator's tasks
                 coordinator = self._cluster.start_coordinator(job)
-                settings = Message(Kind.CONFIGURE, text=json.dumps({"coordinator": coordinator}))
-                self._cluster.call_all({t.client: settings for t in trainers})
+                self._cluster.call_all({t.client: _configure("coordinator", coordinator) for t in trainers})
             trainer_vars = frozenset(
                 n for n, v in plan.trainer_program.global_block().vars.items() if v.persistable
             )
@@ -431,6 +440,11 @@ class RemoteExecutor:
             raise ExecutionError(f"deploying the job failed: {e}") from None
         self._deployment = d
         return d
+
+    @property
+    def server_addresses(self) -> dict[str, str]:
+        """Where the job's executor servers listen, by name (pserver.0, trainer.1, ...)."""
+        return {f"{s.role}.{s.index}": s.client.endpoint for s in self._cluster.nodes}
 
     @property
     def server_pids(self) -> dict[str, int]:
@@ -531,6 +545,11 @@ def _fetches_of(reply: Message, steps: int, fetch_names: list[str], trainer: str
             + ": it runs another version of fluidps; run the same one everywhere"
         )
     return fetched
+
+
+def _configure(setting: str, value: str) -> Message:
+    """A CONFIGURE of one setting of the job (ExecutorServer._configure)."""
+    return Message(Kind.CONFIGURE, text=json.dumps({setting: value}))
 
 
 def _load(name: str, program: Program) -> Message:

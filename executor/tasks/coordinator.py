@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ DEFAULT_MAX_FAILURES = 3
 # A lease stretches to this many times the longest gap between its trainer's messages:
 # they come every timeout / 3 while it works, so only a slower trainer stretches it.
 LEASE_STRETCH = 2.0
+MAX_CLOCKS = 4096  # trainer processes whose silences it keeps (the least recently heard go)
 
 
 class Coordinator:
@@ -69,7 +71,8 @@ class Coordinator:
         self._context = zmq.Context()
         self._running = True
         self._started = time.monotonic()
-        self._clocks: dict[str, SilenceClock] = {}  # per trainer process: its silences
+        # Per trainer process, its silences: the least recently heard first.
+        self._clocks: OrderedDict[str, SilenceClock] = OrderedDict()
         if self.snapshot is not None and self.snapshot.exists():
             self._resume()
         self.server = RpcServer(self._context, endpoint, name, self.settings)
@@ -116,6 +119,9 @@ class Coordinator:
         if key not in self._clocks:
             warmup = max(self.task_timeout, self.settings.warmup_timeout)
             self._clocks[key] = SilenceClock(self.task_timeout, warmup, time.monotonic(), LEASE_STRETCH)
+            while len(self._clocks) > MAX_CLOCKS:  # (a forgotten process's next lease starts warm-up anew)
+                self._clocks.popitem(last=False)
+        self._clocks.move_to_end(key)
         return self._clocks[key]
 
     def _allowance(self, msg: Message) -> float:

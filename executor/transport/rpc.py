@@ -14,27 +14,33 @@ state. ZeroMQ's own heartbeats run underneath to drop dead connections.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from fluidps.endpoints import zmq_address
-from fluidps.errors import PeerLostError, PeerRestartedError, RemoteError, TransportError, WireError
+from fluidps.errors import (
+    PeerLostError,
+    PeerRestartedError,
+    RemoteError,
+    TransportError,
+    UnprovenMessageError,
+    WireError,
+)
 from fluidps.executor.transport.liveness import SilenceClock
+from fluidps.executor.transport.peers import Peers
 from fluidps.executor.transport.ratelimit import RateLimitedLog
 from fluidps.executor.transport.security import check_bind
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
 from fluidps.profiling import Profile
 
-# Replies the server keeps per client for repeated requests.
-_REPLY_CACHE = 32
 # A socket closed in this process releases its TCP port moments later, on ZeroMQ's
 # I/O thread: a server rebinding the port (restarted in-process) retries this long.
 _REBIND_WAIT = 2.0
@@ -100,8 +106,9 @@ class RpcClient:
         replaces: int = 0,
     ):
         self.endpoint = endpoint
-        self._encode = _timed(profile, "serialize", encode)  # timed in a profiled process
-        self._decode = _timed(profile, "deserialize", decode)
+        # Signed and checked with the job's secret; timed in a profiled process.
+        self._encode = _timed(profile, "serialize", functools.partial(encode, secret=settings.secret))
+        self._decode = _timed(profile, "deserialize", functools.partial(decode, secret=settings.secret))
         self.peer = peer
         self.settings = settings
         self.trainer_id = trainer_id
@@ -187,7 +194,8 @@ class RpcClient:
             if (report := self.silence.stretch_report()) is not None:
                 print(f"{self.peer} ({self.endpoint}): {report}", flush=True)
             if now - self._last_ping >= self.settings.heartbeat_interval:
-                self._send(encode(Message(Kind.HEARTBEAT, trainer_id=self.trainer_id, sender=self.sender)))
+                ping = Message(Kind.HEARTBEAT, trainer_id=self.trainer_id, sender=self.sender)
+                self._send(encode(ping, self.settings.secret))
                 self._last_ping = now
             if rid not in self._replies and self._socket.poll(
                 int(min(timeout, self.settings.heartbeat_interval) * 1000)
@@ -213,6 +221,11 @@ class RpcClient:
             self.silence.heard(time.monotonic())
             try:
                 reply = self._decode(frames)
+            except UnprovenMessageError:
+                raise TransportError(
+                    f"{self.peer} ({self.endpoint}) answered without this job's proof: it was started "
+                    f"for another job, or with another secret{_refusal(frames)}"
+                ) from None
             except WireError as e:
                 raise TransportError(f"{self.peer} ({self.endpoint}) sent a malformed message: {e}") from None
             self._check_incarnation(reply)
@@ -247,6 +260,15 @@ class RpcClient:
 
     def close(self) -> None:
         self._socket.close(linger=0)
+
+
+def _refusal(frames: list[Any]) -> str:
+    """What an unsigned answer says, when it is a server's refusal (its own words)."""
+    try:
+        reply = decode(frames)
+    except WireError:
+        return ""
+    return f" (it said: {reply.text[:300]})" if reply.kind == Kind.ERROR and reply.text else ""
 
 
 def wait_all(pending: dict[Any, tuple[RpcClient, int]], timeout: float | None = None) -> dict[Any, Message]:
@@ -288,12 +310,6 @@ class Request:
     msg: Message
 
 
-@dataclass
-class _ClientState:
-    pending: set[int] = field(default_factory=set)
-    replies: OrderedDict[int, list[Any]] = field(default_factory=OrderedDict)
-
-
 class Waker:
     """Lets other threads end a server loop's wait (`RpcServer.receive(..., wake=waker.socket)`):
     an inproc PULL the loop polls, fed by one PUSH that `wake` (thread-safe) writes to."""
@@ -331,13 +347,15 @@ class RpcServer:
         profile: Profile | None = None,
     ):
         self.name = name
-        self._encode = _timed(profile, "serialize", encode)  # timed in a profiled process
-        self._decode = _timed(profile, "deserialize", decode)
+        # Signed and checked with the job's secret; timed in a profiled process.
+        self._encode = _timed(profile, "serialize", functools.partial(encode, secret=settings.secret))
+        self._decode = _timed(profile, "deserialize", functools.partial(decode, secret=settings.secret))
         self.settings = settings
         self.address = zmq_address(endpoint)
-        check_bind(self.address, settings.security, settings.insecure)
+        check_bind(self.address, settings)
         self.incarnation = secrets.randbits(63) | 1
         self.rejected = 0
+        self.unproven = 0  # messages refused for want of the job's proof (counted in rejected too)
         self.log_rejected = RateLimitedLog(lambda line: print(f"{name}: {line}", flush=True))
         self._socket = context.socket(zmq.ROUTER)
         _common_options(self._socket, settings)
@@ -363,10 +381,9 @@ class RpcServer:
                 raise TransportError(f"{name} cannot listen on {self.address}: {e}") from None
         # Port 0 binds any free port: from here on, the address is the one ZeroMQ picked.
         self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._clients: dict[bytes, _ClientState] = {}
-        # (trainer id, sender incarnation) -> its silence: when any message of it last
-        # arrived (heartbeats included), and the gaps between them.
-        self.heard: dict[tuple[int, int], SilenceClock] = {}
+        # Per connection: requests held and replies sent; per tracked trainer incarnation:
+        # its silence. Bounded, and dropped once silent (peers.py).
+        self.peers = Peers(settings)
         self._poller: tuple[zmq.Socket, zmq.Poller] | None = None  # (wake socket, poller of both)
 
     def receive(self, timeout: float, wake: zmq.Socket | None = None) -> list[Request]:
@@ -389,6 +406,7 @@ class RpcServer:
                 except zmq.Again:
                     break
             ready = self._socket in events
+        self.peers.prune(time.monotonic())
         if not ready:
             return requests
         while True:
@@ -404,20 +422,30 @@ class RpcServer:
         client, body = bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]), frames[1:]
         try:
             msg = self._decode(body)
+        except UnprovenMessageError:
+            # Nothing of it is read, and nothing is kept of its sender. The answer goes
+            # unsigned: it is for a process without the secret.
+            self.rejected += 1
+            self.unproven += 1
+            self.log_rejected(f"refused a message without this job's proof from client {client.hex()}")
+            refusal = Message(Kind.ERROR, text=f"{self.name} refused a message without this job's proof")
+            self._socket.send_multipart([client, *encode(refusal)], copy=False)
+            return None
         except WireError as e:
             self.rejected += 1
             self.log_rejected(f"rejected a malformed message from client {client.hex()}: {e}")
             self._send(client, Message(Kind.ERROR, text=f"{self.name} rejected a malformed message: {e}"))
             return None
+        now = time.monotonic()
         if msg.trainer_id >= 0:
-            now, key = time.monotonic(), (msg.trainer_id, msg.sender)
-            if key not in self.heard:
-                self.heard[key] = SilenceClock(self.settings.peer_timeout, self.settings.warmup_timeout, now)
-            self.heard[key].heard(now)
-        state = self._clients.setdefault(client, _ClientState())
+            self.peers.heard((msg.trainer_id, msg.sender), now)
+        # A heartbeat alone leaves nothing behind: only a request makes a connection's state.
+        state = self.peers.connection(client, now, create=msg.kind != Kind.HEARTBEAT)
         if msg.kind == Kind.HEARTBEAT:
-            answered = [str(r) for r in state.replies]
-            self._send(client, Message(Kind.HEARTBEAT, pending=sorted(state.pending), names=answered))
+            pending, answered = (
+                (sorted(state.pending), [str(r) for r in state.replies]) if state else ([], [])
+            )
+            self._send(client, Message(Kind.HEARTBEAT, pending=pending, names=answered))
             return None
         if msg.incarnation and msg.incarnation != self.incarnation:
             self._send(
@@ -430,22 +458,31 @@ class RpcServer:
             )
             return None
         if msg.request_id in state.replies:
-            self._socket.send_multipart([client, *state.replies[msg.request_id]], copy=False)
+            self._socket.send_multipart([client, *state.replies[msg.request_id][2]], copy=False)
             return None
         if msg.request_id in state.pending:
             return None
         state.pending.add(msg.request_id)
         return Request(client, msg)
 
+    def track(self, key: tuple[int, int]) -> None:
+        """Keep the clock of trainer incarnation `key` = (trainer id, sender): one the
+        owner admitted (a server keeps none for whoever else speaks)."""
+        self.peers.track(key, time.monotonic())
+
+    def untrack(self, key: tuple[int, int]) -> None:
+        self.peers.untrack(key)
+
+    def clock(self, key: tuple[int, int]) -> SilenceClock | None:
+        """The silence of tracked incarnation `key`: when any message of it last came
+        (heartbeats included), and the gaps between them; None when not tracked."""
+        return self.peers.clocks.get(key)
+
     def reply(self, request: Request, msg: Message | None = None) -> None:
         msg = msg or Message(Kind.OK)
         msg.request_id = request.msg.request_id
         frames = self._send(request.client, msg)
-        state = self._clients.setdefault(request.client, _ClientState())
-        state.pending.discard(msg.request_id)
-        state.replies[msg.request_id] = frames
-        while len(state.replies) > _REPLY_CACHE:
-            state.replies.popitem(last=False)
+        self.peers.cache(request.client, msg.request_id, frames, time.monotonic())
 
     def error(self, request: Request, text: str) -> None:
         self.reply(request, Message(Kind.ERROR, text=text))

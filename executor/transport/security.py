@@ -30,6 +30,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from fluidps.errors import TransportError
 from fluidps.executor.transport.ratelimit import RateLimitedLog
+from fluidps.executor.transport.settings import RpcSettings
 
 ALLOWED = "allowed"
 # A context's authenticator stopped moments ago frees its address on ZeroMQ's
@@ -180,10 +181,20 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def check_bind(address: str, security: Security | None, insecure: bool) -> None:
-    """Refuse to serve a non-loopback address in the clear unless told to."""
-    if security is None and not insecure and not is_loopback(address):
+def check_bind(address: str, settings: RpcSettings) -> None:
+    """Refuse to serve a non-loopback address in the clear, or any address but inproc://
+    to whoever connects (no job secret, no CURVE allow-list), unless told to (insecure)."""
+    if settings.insecure or address.startswith("inproc://"):
+        return
+    if settings.security is None and not is_loopback(address):
         raise TransportError(
             f"refusing to serve {address} without encryption: make keys with `fluidps keys gen DIR` "
             "and pass them (--keys DIR / keys_dir=), or bind a loopback address"
+        )
+    if settings.security is None and settings.secret is None:
+        raise TransportError(
+            f"refusing to serve {address} without the job's secret: any process that reaches it could "
+            "write the job's parameters. fluidps launch and RemoteExecutor give their processes one; "
+            "for processes started by hand, make one with `fluidps secret gen FILE` and give every "
+            "process of the job FLUIDPS_JOB_SECRET_FILE=FILE (or --secret-file FILE)"
         )

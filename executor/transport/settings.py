@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fluidps.executor.transport.proof import JobSecret
     from fluidps.executor.transport.security import Security
 
 
@@ -32,7 +33,12 @@ class RpcSettings:
     # sockets take DEFAULT_MAX_MESSAGE_BYTES (a batch or a program has no static bound).
     max_message_bytes: int | None = None
     security: Security | None = None
-    insecure: bool = False  # allow serving non-loopback addresses without CURVE
+    # The job's secret: every message carries a proof made with it, and servers refuse
+    # messages without one (fluidps.executor.transport.proof).
+    secret: JobSecret | None = None
+    # Serve without the job's secret, and non-loopback addresses without CURVE: anyone
+    # who reaches the port is heard.
+    insecure: bool = False
     # Trainers are disposable (a coordinator hands out the data): pservers evict a trainer
     # that goes silent and let a restarted one rejoin, instead of failing the job.
     elastic: bool = False

@@ -1,13 +1,14 @@
 """Messages on the wire: encoding and strict decoding.
 
-A message is a list of ZeroMQ frames: frame 0 is a `wire.Header` protobuf;
-then one raw little-endian frame per dense tensor, two per SelectedRows
-(int64 rows, then values), then `blobs` opaque frames (program bytes). A RUN
-of several batches, and its reply, carries each batch's tensors in `batches`
-(on the wire: each tensor tagged with its batch) instead of `tensors`.
-Arrays are sent without copying and received as views of the frames (read-only
-when the frame is bytes; a zmq.Frame's memory is the receiver's to keep, except over
-inproc://, where it may be the sender's array itself). Decoding trusts nothing: every name, dtype, shape and byte count is
+A message is a list of ZeroMQ frames: frame 0 is a `wire.Header` protobuf (with the
+job's secret, preceded by the tag that proves it: fluidps.executor.transport.proof);
+then one raw little-endian frame per dense tensor, two per SelectedRows (int64 rows,
+then values), then `blobs` opaque frames (program bytes). A RUN of several batches,
+and its reply, carries each batch's tensors in `batches` (on the wire: each tensor
+tagged with its batch) instead of `tensors`. Arrays are sent without copying and
+received as views of the frames (read-only when the frame is bytes; a zmq.Frame's
+memory is the receiver's to keep, except over inproc://, where it may be the sender's
+array itself). Decoding trusts nothing: every name, dtype, shape and byte count is
 checked before an array is made, and anything off raises WireError.
 """
 
@@ -22,8 +23,9 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from fluidps.errors import WireError
+from fluidps.errors import UnprovenMessageError, WireError
 from fluidps.executor.transport import wire_pb2 as pb
+from fluidps.executor.transport.proof import TAG_BYTES, JobSecret
 from fluidps.ir.types import VarType, to_numpy_dtype, to_vartype
 from fluidps.ops.selected_rows import HASHED_HEIGHT, SelectedRows
 
@@ -103,8 +105,9 @@ def _vartype(dtype: np.dtype, name: str) -> VarType:
     return vt
 
 
-def encode(msg: Message) -> list[Any]:
-    """The frames of `msg`; tensors are referenced, not copied."""
+def encode(msg: Message, secret: JobSecret | None = None) -> list[Any]:
+    """The frames of `msg`; tensors are referenced, not copied. With the job's `secret`,
+    frame 0 starts with the tag that proves the header was made by a process of the job."""
     header = pb.Header(kind=msg.kind, request_id=msg.request_id, trainer_id=msg.trainer_id, step=msg.step)
     header.incarnation = msg.incarnation
     header.sender = msg.sender
@@ -126,7 +129,10 @@ def encode(msg: Message) -> list[Any]:
     header.text = msg.text
     header.blobs = len(msg.blobs)
     header.pending.extend(msg.pending)
-    return [header.SerializeToString(), *frames, *msg.blobs]
+    head = header.SerializeToString()
+    if secret is not None:
+        head = secret.tag(head) + head
+    return [head, *frames, *msg.blobs]
 
 
 def _encode_tensors(tensors: dict[str, Any], header: pb.Header, frames: list[Any], batch: int | None) -> None:
@@ -166,13 +172,20 @@ def _long_text(value: Any) -> str:
     return value
 
 
-def decode(frames: list[Any]) -> Message:
-    """Parse and check a received message; WireError says what was wrong."""
+def decode(frames: list[Any], secret: JobSecret | None = None) -> Message:
+    """Parse and check a received message; WireError says what was wrong. With the job's
+    `secret`, a message whose header does not carry its tag is refused before it is read
+    (UnprovenMessageError)."""
     if not frames:
         raise WireError("empty message")
+    head = bytes(_buffer(frames[0]))
+    if secret is not None:
+        if len(head) < TAG_BYTES or not secret.proves(head[:TAG_BYTES], head[TAG_BYTES:]):
+            raise UnprovenMessageError("the message does not carry this job's proof")
+        head = head[TAG_BYTES:]
     header = pb.Header()
     try:
-        header.ParseFromString(bytes(_buffer(frames[0])))
+        header.ParseFromString(head)
     except (DecodeError, ValueError, RuntimeError) as e:
         raise WireError(f"frame 0 is not a message header: {e}") from None
     if not header.HasField("kind") or header.kind == Kind.UNKNOWN:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from rpc_harness import free_port
+from rpc_harness import SECRET, free_port, signed
 
 import fluidps
 from fluidps import layers, optimizer
@@ -27,6 +27,7 @@ from fluidps.executor.env import rpc_settings_from_env
 from fluidps.executor.ps.keepalive import Keepalive
 from fluidps.executor.ps.message_limit import FLOOR
 from fluidps.executor.transport import wire_pb2 as pb
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.rpc import RpcClient
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
@@ -38,7 +39,7 @@ FLUIDPS = [sys.executable, "-m", "fluidps"]
 READY = " ready on "
 WAIT = 30.0  # seconds: the bound of every wait for an answer
 MAX_BYTES = 100_000
-SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0, secret=SECRET)
 TRAINER = 0x7A1  # the incarnation (sender) of these tests' trainer 0
 
 
@@ -98,7 +99,7 @@ def _pserver(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", FLUIDPS_JOB_SECRET=SECRET.hex(), **env),
         )
     try:
         deadline = time.monotonic() + 60
@@ -113,25 +114,46 @@ def _pserver(
         stop_group(process)
 
 
+class _JobDealer:
+    """A raw DEALER of the job: whatever frames it sends, frame 0 gets the job's proof, so
+    that what the pserver refuses is what they hold (`send_unsigned`: a stranger's)."""
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+
+    def send_multipart(self, frames: list) -> None:
+        self.sock.send_multipart(signed(frames))
+
+    def send_unsigned(self, frames: list) -> None:
+        self.sock.send_multipart(frames)
+
+    def poll(self, timeout_ms: int) -> int:
+        return self.sock.poll(timeout_ms)
+
+    def recv_multipart(self) -> list:
+        return self.sock.recv_multipart()
+
+
 @contextmanager
-def _dealer(context: zmq.Context, endpoint: str) -> Iterator[zmq.Socket]:
+def _dealer(context: zmq.Context, endpoint: str) -> Iterator[_JobDealer]:
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{endpoint}")
     try:
-        yield sock
+        yield _JobDealer(sock)
     finally:
         sock.close(linger=0)
 
 
-def _answer(sock: zmq.Socket, timeout: float = WAIT) -> Message | None:
-    """The next message the server sends this socket within `timeout` s (None: nothing)."""
+def _answer(sock: _JobDealer, timeout: float = WAIT, secret: JobSecret | None = SECRET) -> Message | None:
+    """The next message the server sends this socket within `timeout` s (None: nothing),
+    checked with `secret` (None: an unsigned refusal, as a stranger gets)."""
     if not sock.poll(int(timeout * 1000)):
         return None
-    return decode(sock.recv_multipart())
+    return decode(sock.recv_multipart(), secret)
 
 
-def _hello(sock: zmq.Socket, request_id: int) -> None:
+def _hello(sock: _JobDealer, request_id: int) -> None:
     sock.send_multipart(encode(Message(Kind.HELLO, request_id=request_id)))
     reply = _answer(sock)
     assert reply is not None, "the pserver did not answer a HELLO"

@@ -59,7 +59,7 @@ def test_a_remote_executor_runs_its_servers_as_pods_and_deletes_them(cluster_api
         exe.run(startup)
         got = [float(exe.run(main, feed=b, fetch_list=[loss])[0]) for b in batches]
         kinds = sorted(o["kind"] for o in cluster_api.objects.values())
-        assert kinds == ["ConfigMap", "Job", "Job", "Service", "Service"]
+        assert kinds == ["ConfigMap", "Job", "Job", "Secret", "Service", "Service"]  # Secret: the job's
         pods = cluster_api.kubelet.processes
         assert sorted(pods) == [
             ("mlp-pserver", 0),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ from rpc_harness import free_port
 
 import fluidps
 from fluidps import layers, optimizer
-from fluidps.errors import RemoteError
+from fluidps.errors import RemoteError, TransportError
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.rpc import RpcClient
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
@@ -49,6 +51,14 @@ def _serve(*args: str, name: str, timeout: float = 60) -> Iterator[tuple[subproc
     finally:
         stop_group(process)
         process.stdout.close()
+
+
+def _secret_file(tmp_path) -> Path:
+    """A job secret made as a person would: `fluidps secret gen FILE`."""
+    path = tmp_path / "job.secret"
+    done = subprocess.run([*FLUIDPS, "secret", "gen", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return path
 
 
 def _model(seed: int = 5) -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable]:
@@ -92,6 +102,46 @@ def test_serve_refuses_a_public_address_without_keys():
     assert "without encryption" in done.stderr and "fluidps keys gen" in done.stderr
 
 
+def test_serve_refuses_to_start_without_the_jobs_secret_and_secret_gen_makes_one(tmp_path):
+    done = subprocess.run([*FLUIDPS, "serve"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "without the job's secret" in done.stderr and "fluidps secret gen FILE" in done.stderr
+    secret = _secret_file(tmp_path)
+    assert secret.stat().st_mode & 0o777 == 0o600
+    again = subprocess.run(
+        [*FLUIDPS, "secret", "gen", str(secret)], capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 2 and "already exists" in again.stderr
+    secret.chmod(0o644)  # readable by others: refused, as ssh refuses such a key
+    shared = subprocess.run(
+        [*FLUIDPS, "serve", "--secret-file", str(secret)], capture_output=True, text=True, timeout=60
+    )
+    assert shared.returncode == 2 and "may be read by other users" in shared.stderr
+
+
+def test_servers_run_by_hand_serve_a_job_that_names_their_secret_and_nobody_else(tmp_path):
+    secret = _secret_file(tmp_path)
+    main, startup, loss = _model()
+    with (
+        _serve("--secret-file", str(secret), "--name", "ps", name="pserver server") as (_, ps_address),
+        _serve("--secret-file", str(secret), "--name", "tr", name="trainer server") as (_, tr_address),
+    ):
+        servers = {"pserver_servers": [ps_address], "trainer_servers": [tr_address]}
+        endpoints = {"pserver_endpoints": [f"127.0.0.1:{free_port()}"]}
+        with pytest.raises(fluidps.BuilderError, match=r"give JobDesc\(secret_file=...\)"):
+            fluidps.RemoteExecutor(fluidps.JobDesc(**servers, **endpoints))
+        other = tmp_path / "other"
+        other.mkdir()
+        stranger = fluidps.JobDesc(**servers, **endpoints, secret_file=str(_secret_file(other)))
+        with pytest.raises(TransportError, match="answered without this job's proof"):
+            fluidps.RemoteExecutor(stranger)
+        job = fluidps.JobDesc(**servers, **endpoints, secret_file=str(secret))
+        with fluidps.RemoteExecutor(job) as exe:
+            exe.run(startup)
+            losses = [float(exe.run(main, feed=_batch(), fetch_list=[loss])[0]) for _ in range(10)]
+        assert losses[-1] < losses[0] * 0.8
+
+
 def test_running_encrypted_servers_serve_one_job_after_another(tmp_path):
     keys = tmp_path / "keys"
     subprocess.run([*FLUIDPS, "keys", "gen", str(keys)], check=True, capture_output=True, timeout=60)
@@ -125,7 +175,7 @@ def test_running_encrypted_servers_serve_one_job_after_another(tmp_path):
     assert ps.returncode == 0 and tr.returncode == 0  # SIGTERM stops a server cleanly
 
 
-def test_serve_runs_a_pserver_from_transpiled_files(tmp_path):
+def test_serve_runs_a_pserver_from_transpiled_files(tmp_path, monkeypatch):
     main, startup, loss = _model()
     (tmp_path / "main.pb").write_bytes(main.serialize_to_string())
     (tmp_path / "startup.pb").write_bytes(startup.serialize_to_string())
@@ -147,8 +197,10 @@ def test_serve_runs_a_pserver_from_transpiled_files(tmp_path):
         "--startup",
         str(job / "pserver_0_startup.pb"),
     ]
-    with _serve(*args, name="pserver") as (process, address):
+    secret = _secret_file(tmp_path)
+    with _serve(*args, "--secret-file", str(secret), name="pserver") as (process, address):
         assert address == endpoint
+        monkeypatch.setenv("FLUIDPS_JOB_SECRET_FILE", str(secret))  # the trainer, started by hand too
         trainer_program = fluidps.Program.parse_from_string((job / "trainer.pb").read_bytes())
         trainer_startup = fluidps.Program.parse_from_string((job / "trainer_startup.pb").read_bytes())
         exe = fluidps.Executor()
@@ -181,8 +233,10 @@ def test_a_run_of_several_batches_runs_them_in_order_and_answers_each_ones_fetch
         layers.dataset_reader(tmp_path / "data", [r], batch_size=16, shuffle=False)
         total = layers.reduce_sum(r)
     context = zmq.Context()
-    with _serve("--name", "batches", name="executor server") as (_, address):
-        client = RpcClient(context, address, "the executor server", RpcSettings())
+    secret = _secret_file(tmp_path)
+    with _serve("--name", "batches", "--secret-file", str(secret), name="executor server") as (_, address):
+        settings = RpcSettings(secret=JobSecret.read(secret))
+        client = RpcClient(context, address, "the executor server", settings)
         try:
             for name, program in (("fed", fed), ("reading", reading), ("startup", startup)):
                 client.call(Message(Kind.LOAD, text=name, blobs=[program.serialize_to_string()]))

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from job_harness import PserverThreads
+from rpc_harness import SECRET
 
 import fluidps
 from fluidps import layers
@@ -27,7 +28,7 @@ from fluidps.executor.ps.strategies import ASYNC_BACKLOG
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.ops.selected_rows import SelectedRows
 
-SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0, secret=SECRET)
 WAIT = 30.0  # bound of every wait on another thread
 STEPS = 7
 LR = {"dense": 0.1, "sparse": 0.5}

@@ -120,7 +120,13 @@ def test_distributed_bench_quick_smoke_run():
     assert set(note) == {"note"} and "cores" in note["note"]
     training = [r for r in rest if r["bench"] == "digits_mlp"]
     bandwidth = [r for r in rest if r["bench"] == "bandwidth"]
-    assert len(training) + len(bandwidth) == len(rest)
+    proof = [r for r in rest if r["bench"] == "proof"]
+    assert len(training) + len(bandwidth) + len(proof) == len(rest)
+    # what the job's proof costs a message: a small SEND and one of the bandwidth's size
+    assert [r["bytes"] for r in proof] == [4096, 1 << 20]
+    for r in proof:
+        assert r["with_proof_us"] > 0 and r["without_proof_us"] > 0
+        assert r["ratio"] == pytest.approx(r["with_proof_us"] / r["without_proof_us"], rel=1e-2)
     jobs = (
         ("local", 1, 0, None),
         ("sync", 1, 1, "RemoteExecutor"),
@@ -163,6 +169,18 @@ def test_distributed_bench_quick_smoke_run():
     for r in bandwidth:
         assert {"bytes", "mib_per_s", "ms", "repeats", "to", "processes", "cores"} <= set(r)
         assert r["bytes"] == 1 << 20 and r["mib_per_s"] > 0 and r["ms"] > 0
+
+
+def test_distributed_bench_runs_a_launched_job_with_and_without_the_jobs_proof():
+    """--runners launch-unproven: the same launched job with no job secret, to measure what
+    the proof on every message costs; both train to the same loss."""
+    args = ["--quick", "--models", "digits_mlp", "--topologies", "1x1", "--modes", "sync", "--no-torch"]
+    args += ["--bandwidth-mib", "0", "--runners", "launch,launch-unproven", "--executors", "compiled"]
+    rows = bench("distributed", *args)
+    jobs = [r for r in rows if r.get("runner", "").startswith("fluidps launch")]
+    assert [r["runner"] for r in jobs] == ["fluidps launch", "fluidps launch (no proof)"]
+    assert jobs[0]["loss"] == pytest.approx(jobs[1]["loss"], rel=1e-6)
+    assert all(r["samples_per_s"] > 0 and r["vs_local"] > 0 for r in jobs)
 
 
 def quick_remote_job(model: str, modes: str) -> list[str]:

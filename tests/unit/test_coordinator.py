@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 import zmq
+from rpc_harness import SECRET
 
 from fluidps.errors import RemoteError
 from fluidps.executor.tasks.coordinator import Coordinator
@@ -19,7 +20,7 @@ from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import Dataset
 
-SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=30.0)
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=30.0, secret=SECRET)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 import pytest
 from job_harness import PserverThreads
-from rpc_harness import free_port
+from rpc_harness import SECRET, free_port
 
 import fluidps
 from fluidps import layers, optimizer
@@ -23,7 +23,7 @@ from fluidps.executor.runtime import Runtime, RuntimeConfig
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 
-SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0, secret=SECRET)
 ROWS, WIDTH, FIELDS = 1000, 4, 3
 TABLE = "embedding_0.w_0"
 OPTIMIZERS = {
@@ -460,7 +460,7 @@ def test_rows_asked_for_ahead_whose_answer_fails_are_given_up_once(net):
             return Message(Kind.VALUES, tensors={n: np.zeros(2, np.float32) for n in msg.names})
         return Message(Kind.OK)
 
-    settings = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=5.0)
+    settings = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=5.0, secret=SECRET)
     net.serve(endpoint, settings, handler=refusing)
     runtime = Runtime(RuntimeConfig(rpc=settings))
     trainer = runtime.trainer

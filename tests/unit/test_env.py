@@ -12,6 +12,7 @@ from fluidps.errors import BuilderError, CheckpointError, TransportError
 from fluidps.executor.env import RoleInfo, role_from_env, rpc_settings_from_env, runtime_config_from_env
 from fluidps.executor.ps.checkpointer import CheckpointOverrides
 from fluidps.executor.runtime import RuntimeConfig
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.security import Security, generate_keys
 from fluidps.executor.transport.settings import RpcSettings
 
@@ -203,6 +204,32 @@ def test_a_launched_job_s_pservers_know_each_trainer_s_incarnation():
     assert len(set(trainers)) == 3 and all(trainers)
     for pserver in ("pserver.0", "pserver.1"):
         assert rpc_settings_from_env(jobs[pserver]).trainer_incarnations == tuple(trainers)
+
+
+def test_a_launched_job_shares_one_secret_of_its_own_and_a_secret_comes_from_a_file_or_the_environment(
+    tmp_path,
+):
+    from fluidps.executor.launch.launcher import job_environments
+
+    jobs = dict(job_environments("127.0.0.1", [6170], 2, "sync", base={}))
+    (secret,) = {rpc_settings_from_env(env).secret for env in jobs.values()}
+    assert secret is not None
+    again = dict(job_environments("127.0.0.1", [6170], 2, "sync", base={}))
+    assert rpc_settings_from_env(again["trainer.0"]).secret != secret  # each job its own
+    assert "hidden" in repr(secret) and secret.hex() not in repr(rpc_settings_from_env(jobs["pserver.0"]))
+
+    path = JobSecret.generate().write(tmp_path / "job.secret")
+    from_file = rpc_settings_from_env({"FLUIDPS_JOB_SECRET_FILE": str(path)}).secret
+    assert from_file == JobSecret.from_hex(path.read_text(), "test")
+    with pytest.raises(TransportError, match="not both"):
+        rpc_settings_from_env({"FLUIDPS_JOB_SECRET_FILE": str(path), "FLUIDPS_JOB_SECRET": secret.hex()})
+    with pytest.raises(TransportError, match="does not hold a job secret"):
+        rpc_settings_from_env({"FLUIDPS_JOB_SECRET": "not hex"})
+    path.chmod(0o640)
+    with pytest.raises(TransportError, match="may be read by other users"):
+        rpc_settings_from_env({"FLUIDPS_JOB_SECRET_FILE": str(path)})
+    with pytest.raises(TransportError, match="cannot read the job secret file"):
+        rpc_settings_from_env({"FLUIDPS_JOB_SECRET_FILE": str(tmp_path / "missing")})
 
 
 def test_an_executor_without_a_config_reads_the_environment_when_a_program_needs_its_runtime(monkeypatch):

@@ -14,6 +14,7 @@ import uuid
 import numpy as np
 import pytest
 from job_harness import PserverThreads
+from rpc_harness import SECRET
 
 import fluidps
 from fluidps import layers, optimizer
@@ -23,7 +24,7 @@ from fluidps.initializer import Normal, Uniform
 from fluidps.ops.sparse_table import SparseTable, owners
 from fluidps.param_attr import ParamAttr
 
-SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0, secret=SECRET)
 DIM, FIELDS = 4, 3
 TABLE = "sparse_embedding_0.w_0"
 OPTIMIZERS = {

@@ -17,7 +17,7 @@ import yaml
 from k8s_pods import find, pod_env, role_job
 
 import fluidps
-from fluidps.executor.env import role_from_env
+from fluidps.executor.env import SECRET_ENV, role_from_env, rpc_settings_from_env
 from fluidps.executor.launch.kubernetes import (
     CHECKPOINT_MOUNT,
     INDEX_ANNOTATION,
@@ -26,6 +26,7 @@ from fluidps.executor.launch.kubernetes import (
     Resources,
     to_yaml,
 )
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.security import generate_keys
 
 KUBERNETES_VERSION = "1.33.0"  # the oldest release with backoffLimitPerIndex and podFailurePolicy GA
@@ -80,6 +81,7 @@ def test_the_objects_of_a_job_in_the_order_to_create_them(keys):
     assert kinds(full_job(keys)) == [
         ("ConfigMap", "ctr-env"),
         ("Secret", "ctr-keys"),
+        ("Secret", "ctr-job"),  # the job's secret: every message of the job proves it
         ("PodGroup", "ctr"),
         ("Service", "ctr-pserver"),
         ("Job", "ctr-pserver"),
@@ -88,8 +90,9 @@ def test_the_objects_of_a_job_in_the_order_to_create_them(keys):
         ("Service", "ctr-coordinator"),  # the job reads a dataset: a coordinator hands out its tasks
         ("Job", "ctr-coordinator"),
     ]
-    assert kinds(small_job()) == [  # no keys (insecure), no gang, no dataset
+    assert kinds(small_job()) == [  # no keys (insecure), no gang, no dataset; still a secret
         ("ConfigMap", "demo-env"),
+        ("Secret", "demo-job"),
         ("Service", "demo-pserver"),
         ("Job", "demo-pserver"),
         ("Service", "demo-trainer"),
@@ -245,6 +248,17 @@ def test_keys_are_a_secret_mounted_read_only_and_volumes_go_where_they_are_used(
             "requests": {"cpu": "2", "memory": "4Gi"},
             "limits": {"cpu": "4", "memory": "6Gi"},
         }
+
+
+def test_every_pod_reads_the_jobs_secret_and_each_rendering_makes_a_new_one(keys):
+    objects = full_job(keys)
+    secret = find(objects, "Secret", "ctr-job")
+    (text,) = {pod_env(objects, role, 0)[SECRET_ENV] for role in ("pserver", "trainer", "coordinator")}
+    assert base64.b64decode(secret["data"]["secret"]).decode() == text
+    assert rpc_settings_from_env({SECRET_ENV: text}).secret == JobSecret.from_hex(text, SECRET_ENV)
+    assert text not in to_yaml([o for o in objects if o["kind"] != "Secret"])  # only in the Secret
+    again = find(full_job(keys), "Secret", "ctr-job")
+    assert again["data"] != secret["data"]  # a job of its own, a secret of its own
 
 
 def test_the_yaml_stream_holds_the_objects_and_the_cli_writes_it(keys, tmp_path):

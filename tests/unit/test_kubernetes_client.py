@@ -70,6 +70,7 @@ def test_submit_creates_the_objects_in_order_and_waits_until_the_pservers_are_re
     assert posts == [
         "/api/v1/namespaces/ml/configmaps",
         "/api/v1/namespaces/ml/secrets",
+        "/api/v1/namespaces/ml/secrets",  # the keys, the job's secret
         "/apis/scheduling.volcano.sh/v1beta1/namespaces/ml/podgroups",
         *(
             path
@@ -155,7 +156,9 @@ def test_status_logs_and_delete(objects, api):
     gone = client.delete("ctr", "ml")
     roles = ("pserver", "trainer", "coordinator")
     want = [f"{kind}/ctr-{role}" for kind in ("Job", "Service") for role in roles]
-    assert sorted(gone) == sorted([*want, "ConfigMap/ctr-env", "Secret/ctr-keys", "PodGroup/ctr"])
+    assert sorted(gone) == sorted(
+        [*want, "ConfigMap/ctr-env", "Secret/ctr-keys", "Secret/ctr-job", "PodGroup/ctr"]
+    )
     assert server.objects == {}
     with pytest.raises(fluidps.ExecutionError, match="no job 'ctr' in namespace 'ml'"):
         client.delete("ctr", "ml")

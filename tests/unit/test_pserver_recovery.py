@@ -17,6 +17,7 @@ import uuid
 import numpy as np
 import pytest
 from job_harness import PserverThreads
+from rpc_harness import SECRET
 
 import fluidps
 from fluidps.executor.transport.rpc import RpcClient
@@ -25,7 +26,7 @@ from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io.checkpoints import merge_checkpoints, scan
 from helpers import build_mlp
 
-SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0, secret=SECRET)
 
 
 def adam_mlp():

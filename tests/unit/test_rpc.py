@@ -11,10 +11,11 @@ import threading
 
 import numpy as np
 import pytest
-from rpc_harness import FAST, endpoint_for, lose_requests, receive_until, recv
+from rpc_harness import FAST, SECRET, endpoint_for, lose_requests, receive_until, recv, signed
 
 from fluidps.endpoints import zmq_address
 from fluidps.errors import RemoteError, TransportError
+from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.ratelimit import RateLimitedLog
 from fluidps.executor.transport.rpc import Request, RpcClient
 from fluidps.executor.transport.wire import Kind, Message, decode, encode
@@ -72,9 +73,11 @@ def test_server_error_is_a_remote_error_naming_the_peer(net, endpoint):
 def test_repeated_request_id_is_answered_from_the_cache(net, endpoint):
     server = net.server(endpoint)
     dealer = net.raw(endpoint)
-    frames = encode(Message(Kind.SEND, request_id=5, trainer_id=0, tensors={"g": np.ones(3, "float32")}))
+    frames = encode(
+        Message(Kind.SEND, request_id=5, trainer_id=0, tensors={"g": np.ones(3, "float32")}), SECRET
+    )
     dealer.send_multipart(frames)
-    (request,) = receive_until(server, lambda: bool(server._clients))
+    (request,) = receive_until(server, lambda: bool(server.peers.connections))
     # a repeat while the request is held is neither delivered again nor answered
     dealer.send_multipart(frames)
     assert server.receive(0.3) == [] and not dealer.poll(0)
@@ -86,8 +89,8 @@ def test_repeated_request_id_is_answered_from_the_cache(net, endpoint):
     again = recv(dealer)
     assert (again.text, again.request_id, again.incarnation) == ("first", 5, server.incarnation)
     # a new id is a new request
-    dealer.send_multipart(encode(Message(Kind.GET, request_id=6, trainer_id=0)))
-    (new,) = receive_until(server, lambda: len(server._clients[request.client].pending) > 0)
+    dealer.send_multipart(encode(Message(Kind.GET, request_id=6, trainer_id=0), SECRET))
+    (new,) = receive_until(server, lambda: len(server.peers.connections[request.client].pending) > 0)
     assert new.msg.request_id == 6
 
 
@@ -111,7 +114,7 @@ def test_client_recovers_a_lost_reply_from_the_reply_cache(net, endpoint):
     send = sock.send_multipart
 
     def drop_first_reply(frames, *args, **kwargs):  # the reply vanishes on the way back
-        if decode(frames[1:]).kind == Kind.VALUES and not dropped:
+        if decode(frames[1:], SECRET).kind == Kind.VALUES and not dropped:
             dropped.append(True)
             return None
         return send(frames, *args, **kwargs)
@@ -138,7 +141,7 @@ def test_client_recovers_a_lost_reply_from_the_reply_cache(net, endpoint):
 def test_malformed_message_gets_an_error_and_the_server_keeps_serving(net, endpoint, frames):
     harness = net.serve(endpoint)
     dealer = net.raw(endpoint)
-    dealer.send_multipart(frames)
+    dealer.send_multipart(signed(frames))  # proven, so that what is malformed is read
     reply = recv(dealer)
     assert reply.kind == Kind.ERROR and "test server rejected a malformed message" in reply.text
     assert reply.incarnation == harness.server.incarnation
@@ -148,11 +151,33 @@ def test_malformed_message_gets_an_error_and_the_server_keeps_serving(net, endpo
     assert harness.server.rejected == 1
 
 
+@pytest.mark.parametrize("secret", [None, JobSecret.generate()], ids=["no-secret", "another-secret"])
+def test_a_message_without_the_jobs_proof_is_refused_unread_and_leaves_nothing(net, endpoint, secret):
+    harness = net.serve(endpoint)
+    dealer = net.raw(endpoint)
+    stranger = Message(Kind.SET, request_id=1, trainer_id=0, tensors={"w": np.ones(3, "float32")})
+    dealer.send_multipart(encode(stranger, secret))
+    reply = recv(dealer, secret=None)  # the refusal goes unsigned: the stranger has no secret
+    assert reply.kind == Kind.ERROR and "refused a message without this job's proof" in reply.text
+    server = harness.server
+    assert (server.unproven, server.rejected) == (1, 1)
+    assert harness.delivered == [] and not server.peers.connections and not server.peers.clocks
+
+
+def test_a_client_with_another_secret_is_told_the_server_is_not_of_its_job(net, endpoint):
+    net.serve(endpoint)
+    client = net.client(endpoint, settings=FAST.with_(secret=JobSecret.generate()))
+    with pytest.raises(
+        TransportError, match=r"answered without this job's proof.*it said: test server refused"
+    ):
+        client.call(Message(Kind.GET, text="hello"))
+
+
 def test_rejected_messages_are_logged_one_line_at_a_time(net, endpoint, capsys):
     harness = net.serve(endpoint)
     dealer = net.raw(endpoint)
     for _ in range(5):
-        dealer.send_multipart([b"garbage"])
+        dealer.send_multipart(signed([b"garbage"]))
         assert recv(dealer).kind == Kind.ERROR
     lines = [line for line in capsys.readouterr().out.splitlines() if "rejected a malformed message" in line]
     # the first at once; the next ones held back within the rate limit (counted, not lost)

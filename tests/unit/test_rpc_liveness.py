@@ -14,7 +14,7 @@ import time
 
 import pytest
 import zmq
-from rpc_harness import DEAD, FAST, LONG, NOT_HUNG, TRANSPORTS, endpoint_for, lose_requests, recv
+from rpc_harness import DEAD, FAST, LONG, NOT_HUNG, SECRET, TRANSPORTS, endpoint_for, lose_requests, recv
 
 from fluidps.errors import PeerLostError, RemoteError, TransportError
 from fluidps.executor.transport.rpc import wait_all
@@ -99,7 +99,7 @@ def test_server_rejects_a_stale_incarnation(net, endpoint):
     harness = net.serve(endpoint)
     dealer = net.raw(endpoint)
     stale = harness.server.incarnation ^ 2
-    dealer.send_multipart(encode(Message(Kind.GET, request_id=1, incarnation=stale)))
+    dealer.send_multipart(encode(Message(Kind.GET, request_id=1, incarnation=stale), SECRET))
     reply = recv(dealer)
     assert reply.kind == Kind.ERROR and reply.request_id == 1 and "stale incarnation" in reply.text
     assert harness.delivered == []
@@ -191,7 +191,7 @@ def test_receive_returns_early_when_woken(net, endpoint):
     assert server.receive(LONG, wake=pull) == []  # the wake message ended it (or the hang guard fails it)
     assert not pull.poll(0)  # consumed
     dealer = net.raw(endpoint)
-    dealer.send_multipart(encode(Message(Kind.GET, request_id=1)))
+    dealer.send_multipart(encode(Message(Kind.GET, request_id=1), SECRET))
     deadline = time.monotonic() + 10
     while not (requests := server.receive(0.05, wake=pull)):
         assert time.monotonic() < deadline

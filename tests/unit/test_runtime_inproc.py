@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 from job_harness import PserverThreads
-from rpc_harness import Net, free_port
+from rpc_harness import SECRET, Net, free_port
 
 import fluidps
 from fluidps.errors import ExecutionError, PeerLostError, RemoteError, TransportError
@@ -24,7 +24,7 @@ from fluidps.executor.transport.wire import Kind, Message
 from helpers import build_mlp
 
 # Generous for live peers on a loaded machine; the dead-pserver test uses DEAD.
-SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0)
+SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=120.0, secret=SECRET)
 DEAD = SETTINGS.with_(peer_timeout=1.0)
 # The hang guard (a pytest timeout) of waits the 1 s peer timeout ends, which would
 # otherwise run into the 120 s request timeout.

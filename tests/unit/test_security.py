@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 import zmq
-from rpc_harness import free_port
+from rpc_harness import SECRET, free_port
 
 from fluidps.errors import PeerLostError, TransportError
 from fluidps.executor.transport.rpc import RpcClient, RpcServer
@@ -19,7 +19,7 @@ from fluidps.executor.transport.security import Security, check_bind, generate_k
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 
-FAST = RpcSettings(heartbeat_interval=0.1, peer_timeout=10.0, request_timeout=30.0)
+FAST = RpcSettings(heartbeat_interval=0.1, peer_timeout=10.0, request_timeout=30.0, secret=SECRET)
 # A refused client hears nothing: the 1 s peer timeout ends its wait, well before the
 # request timeout, kept long on purpose so that the error raised tells which one fired.
 DEAD = FAST.with_(peer_timeout=1.0, request_timeout=120.0)
@@ -85,7 +85,7 @@ def test_from_dir_on_a_directory_without_keys_says_what_is_missing(tmp_path):
 )
 def test_loopback_addresses_may_be_served_in_the_clear(address):
     assert is_loopback(address)
-    check_bind(address, None, insecure=False)
+    check_bind(address, RpcSettings(secret=SECRET))
 
 
 @pytest.mark.parametrize(
@@ -94,10 +94,10 @@ def test_loopback_addresses_may_be_served_in_the_clear(address):
 )
 def test_other_addresses_need_keys_or_insecure(address, tmp_path):
     assert not is_loopback(address)
-    with pytest.raises(TransportError, match=f"refusing to serve {re.escape(address)} without"):
-        check_bind(address, None, insecure=False)
-    check_bind(address, None, insecure=True)
-    check_bind(address, Security.from_dir(generate_keys(tmp_path / "keys")), insecure=False)
+    with pytest.raises(TransportError, match=f"refusing to serve {re.escape(address)} without encryption"):
+        check_bind(address, RpcSettings(secret=SECRET))
+    check_bind(address, RpcSettings(insecure=True))
+    check_bind(address, RpcSettings(security=Security.from_dir(generate_keys(tmp_path / "keys"))))
 
 
 def test_server_refuses_a_plain_wildcard_bind():
