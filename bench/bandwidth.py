@@ -88,6 +88,16 @@ def bandwidth_row(op: str, path: str, nbytes: int, seconds: float, repeats: int,
     }
 
 
+def _reap(peer: subprocess.Popen) -> None:
+    """Wait for a peer subprocess told to stop (killed if it does not within 10 s)."""
+    try:
+        peer.wait(10)
+    except subprocess.TimeoutExpired:
+        peer.kill()
+        peer.wait()
+    peer.stdout.close()
+
+
 def median_seconds(run: Callable[[], None], repeats: int) -> float:
     """Median seconds of `repeats` timed runs after two warm-up runs."""
     return median_ms(run, repeats, warmup=2) / 1e3
@@ -119,12 +129,7 @@ def zmq_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
     finally:
         sock.close()
         ctx.term()
-        try:
-            peer.wait(10)
-        except subprocess.TimeoutExpired:
-            peer.kill()
-            peer.wait()
-        peer.stdout.close()
+        _reap(peer)
     return out
 
 
@@ -173,12 +178,7 @@ def rpc_round_trips(secret: JobSecret | None, sizes: list[int], calls: int) -> d
         if client is not None:
             client.close()
         context.term()
-        try:
-            peer.wait(10)
-        except subprocess.TimeoutExpired:
-            peer.kill()
-            peer.wait()
-        peer.stdout.close()
+        _reap(peer)
     return out
 
 
