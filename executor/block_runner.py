@@ -15,7 +15,7 @@ from fluidps.errors import EOFException, Error, ExecutionError, NoDataYet
 from fluidps.executor.shape_guard import Refused, ShapeGuard, check_declared, memory_limit
 from fluidps.ir.infer import VarInfo
 from fluidps.ir.program import Block
-from fluidps.ir.types import EMPTY_VAR_NAME, VarType, to_vartype
+from fluidps.ir.types import EMPTY_VAR_NAME, VarType, dtype_name, to_vartype
 from fluidps.ops import REGISTRY
 from fluidps.ops.kernel import Runner
 from fluidps.ops.runtime_api import KernelRuntime
@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # the compiler room loads only where an Executor compiles
 
 
 def describe(value: Any) -> str:
+    if isinstance(value, VarInfo):  # a value not made yet, as shape inference says it would be
+        return f"{dtype_name(value.dtype)}{list(value.shape or [])} (inferred)"
     if isinstance(value, SelectedRows):
         return repr(value)
     if isinstance(value, np.ndarray):
@@ -215,8 +217,8 @@ class BlockRunner:
             return
         try:
             self._segment_guards[segment.start].check_args(args, env)
-        except Refused as e:
-            raise ExecutionError(self._failure(e.index, env, e.reason)) from None
+        except Refused as e:  # (the values its earlier ops would make, as inference says)
+            raise ExecutionError(self._failure(e.index, {**e.made, **env}, e.reason)) from None
         try:
             results = segment.fn(*args)
         except NumbaError:  # no compiled form for these inputs' types: interpreted from now on

@@ -20,6 +20,7 @@ import math
 import os
 import resource
 from collections.abc import Sequence
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +37,18 @@ from fluidps.ops.selected_rows import SelectedRows
 # Signatures remembered per op or segment: a program whose shapes keep changing (a
 # new batch size every step) pays inference each step, never unbounded memory.
 CAPACITY = 64
+_SHAPE_AND_DTYPE = attrgetter("shape", "dtype")
 _SIZE_ATTRS = (AttrType.INT, AttrType.INTS, AttrType.LONG, AttrType.LONGS)
 _NOT_SIZES = frozenset({"op_role", "dtype", "out_dtype", "in_dtype", "seed"})
 
 
 class Refused(Exception):
-    """The guard refuses to run op #`index` of its block, for `reason` (a fluidps Error)."""
+    """The guard refuses to run op #`index` of its block, for `reason` (a fluidps Error);
+    `made`: what inference said of the values a compiled segment's earlier ops make."""
 
-    def __init__(self, index: int, reason: Error):
+    def __init__(self, index: int, reason: Error, made: dict[str, VarInfo] | None = None):
         super().__init__(str(reason))
-        self.index, self.reason = index, reason
+        self.index, self.reason, self.made = index, reason, made or {}
 
 
 def signature(values: Sequence[Any]) -> tuple:
@@ -92,18 +95,27 @@ class ShapeGuard:
         self.block, self.start, self.stop, self.limit = block, start, stop, limit
         self.names = list(dict.fromkeys(n for n in names if n != EMPTY_VAR_NAME))
         self._seen: set[tuple] = set()
+        self._last: tuple | None = None  # the signature of the last run, checked
 
     def check_env(self, env: dict[str, Any]) -> None:
         """Check the op against the values `env` holds for its inputs; raises Refused."""
         key = signature([env.get(n) for n in self.names])
-        if key not in self._seen:
+        # (== before the set: equal dtypes are one object, and hashing a dtype is slow)
+        if key != self._last and key not in self._seen:
             self._learn(key, env)
+        self._last = key
 
     def check_args(self, args: Sequence[Any], env: dict[str, Any]) -> None:
-        """Check a compiled segment against `args`, the values of `names` in order."""
-        key = signature(args)
-        if key not in self._seen:
+        """Check a compiled segment against `args`, the values of `names` in order:
+        dense arrays (a SelectedRows keyed by its dense shape fails in numba's dispatch
+        before any compiled code runs, and the interpreter's per-op guards see it)."""
+        try:
+            key = tuple(map(_SHAPE_AND_DTYPE, args))
+        except AttributeError:  # a value that is no array: as an op's inputs are keyed
+            key = signature(args)
+        if key != self._last and key not in self._seen:
             self._learn(key, env)
+        self._last = key
 
     def _learn(self, key: tuple, env: dict[str, Any]) -> None:
         made: dict[str, VarInfo] = {}  # through a segment: what its earlier ops make
@@ -119,12 +131,12 @@ class ShapeGuard:
             try:
                 results = REGISTRY.infer(op, lookup)
             except Error as e:
-                raise Refused(index, ExecutionError(f"{e}: {_AT_RUN_TIME}")) from None
+                raise Refused(index, ExecutionError(f"{e}: {_AT_RUN_TIME}"), made) from None
             except Exception as e:  # inference that cannot read these values cannot vouch for them
                 why = f"its shape inference cannot read the values it was given ({type(e).__name__}: {e})"
-                raise Refused(index, ExecutionError(why)) from None
+                raise Refused(index, ExecutionError(why), made) from None
             if (problem := too_large(op, results, self.limit)) is not None:
-                raise Refused(index, ExecutionError(problem))
+                raise Refused(index, ExecutionError(problem), made)
             made.update(results)
         if len(self._seen) >= CAPACITY:
             self._seen.clear()
