@@ -179,7 +179,17 @@ def _forward_outputs(
         infos[key] = info
     if any(not s.dispensable and s.name not in inputs for s in forward.inputs):
         return {}
-    outputs = {s.name: [f"{s.name}#{i}" for i in range(_output_count(ctx, s))] for s in forward.outputs}
+    outputs: dict[str, list[str]] = {}
+    for slot in forward.outputs:  # named as the grad op reads them, else stand-ins: their gradients
+        read, grads = ctx.op.input(slot.name), ctx.op.input(slot.name + GRAD_SUFFIX)
+        for i in range(_output_count(ctx, slot)):
+            if i < len(read) and read[i] != EMPTY_VAR_NAME:
+                outputs.setdefault(slot.name, []).append(read[i])
+                continue
+            name = f"{slot.name}#{i}"
+            if i < len(grads) and grads[i] != EMPTY_VAR_NAME and (grad := ctx.lookup(grads[i])) is not None:
+                infos[name] = grad  # (an inference that reads its output's declaration, for a width)
+            outputs.setdefault(slot.name, []).append(name)
     attrs = {n: ctx.op.attr(n) for n in ctx.op.attr_names}
     types = {n: ctx.op.attr_type(n) for n in ctx.op.attr_names}
     op = Operator(None, forward.type, inputs, outputs, attrs, types)
@@ -191,10 +201,9 @@ def _forward_outputs(
         raise ShapeError(f"op {ctx.type!r} (checked as its forward op {forward.type!r}): {why}") from None
     made = {}
     for slot, names in outputs.items():
-        read = ctx.op.input(slot)
         for i, name in enumerate(names):
             if name in fctx.results:  # named as the grad op reads it, or as the forward op makes it
-                shown = read[i] if i < len(read) else f"{forward.type}'s {slot}"
+                shown = name if name != f"{slot}#{i}" else f"{forward.type}'s {slot}"
                 made[(slot, i)] = replace(fctx.results[name], name=shown)
     return made
 

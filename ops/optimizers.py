@@ -35,19 +35,21 @@ def _infer_update(*state: str, accumulators: tuple[str, ...] = ()):
 
     def infer(ctx: InferContext) -> None:
         param, grad = ctx.input("Param"), ctx.input("Grad")
-        for slot in (s for s in ("LearningRate", *state) if s in _SCALARS):
-            if numel(ctx.input(slot).shape) not in (1, -1):
-                ctx.fail(f"{slot} must hold one value, got shape {list(ctx.input(slot).shape)}")
-        dense_mismatch = grad.type == VarType.LOD_TENSOR and (
-            len(grad.shape) != len(param.shape) or -1 < numel(grad.shape) != numel(param.shape) > -1
-        )
-        sparse_mismatch = grad.type == VarType.SELECTED_ROWS and grad.shape[1:] != param.shape[1:]
-        if dense_mismatch or sparse_mismatch:
-            ctx.fail(f"Grad {grad.describe()} does not match Param {param.describe()}")
-        for slot in (s for s in (*state, *accumulators) if s not in _SCALARS):
-            info = ctx.input(slot)
-            if -1 < numel(info.shape) != numel(param.shape) > -1:
-                ctx.fail(f"{slot} {info.describe()} must have as many elements as Param {param.describe()}")
+        size = numel(param.shape)
+        for slot in ("LearningRate", *state, *accumulators):
+            info, scalar = ctx.input(slot), slot in _SCALARS
+            if numel(info.shape) not in (1, -1) if scalar else -1 < numel(info.shape) != size > -1:
+                ctx.fail(
+                    f"{slot} {info.describe()} must hold {'one value' if scalar else 'as many elements as Param'}"
+                )
+        if (
+            grad.shape[1:] != param.shape[1:]
+            if grad.type == VarType.SELECTED_ROWS
+            else len(grad.shape) != len(param.shape) or -1 < numel(grad.shape) != size > -1
+        ):
+            ctx.fail(
+                f"Grad {grad.describe()} does not match Param of shape {list(param.shape)} ({param.name})"
+            )
         for slot in ("Param", *state):
             if ctx.has_output(slot + "Out"):
                 ctx.share(slot + "Out", ctx.input(slot))

@@ -264,5 +264,5 @@ def test_a_beta_power_with_no_element_is_refused_before_a_compiled_adam_writes_i
         print(outcome(lambda: exe.run(main, feed={{"g": np.ones((4, 5), np.float32)}})))
     """)
     assert out.startswith(
-        "ExecutionError: block 0, op #0 (adam) failed: op 'adam': Beta1Pow must hold one value"
+        "ExecutionError: block 0, op #0 (adam) failed: op 'adam': Beta1Pow b1 [0] float32 must hold one value"
     )
