@@ -30,7 +30,7 @@ from fluidps.errors import Error, ExecutionError
 from fluidps.ir.infer import VarInfo
 from fluidps.ir.operator import Operator
 from fluidps.ir.program import Block
-from fluidps.ir.types import EMPTY_VAR_NAME, AttrType, VarType, to_numpy_dtype, to_vartype
+from fluidps.ir.types import EMPTY_VAR_NAME, AttrType, VarType, dtype_name, to_numpy_dtype, to_vartype
 from fluidps.ops import REGISTRY
 from fluidps.ops.selected_rows import SelectedRows
 
@@ -174,7 +174,7 @@ def too_large(op: Operator, results: dict[str, VarInfo], limit: int) -> str | No
             continue
         if size > limit:
             return (
-                f"its output {name!r} would be {list(info.shape)} {info.dtype.name} = {size:,} bytes, more "
+                f"its output {name!r} would be {list(info.shape)} {dtype_name(info.dtype)} = {size:,} bytes, more "
                 f"than the {limit:,} bytes of memory this machine can give; check {_suspects(op, info.shape)}"
             )
     return None

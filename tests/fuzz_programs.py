@@ -305,81 +305,137 @@ def _feed(rng: np.random.Generator, block: Any, odd: bool) -> dict[str, np.ndarr
 
 
 def _single(rng: np.random.Generator, mode: str) -> Case:
-    """One op of a random type with a kernel: random inputs and attributes."""
+    """One op of a random type with a kernel: random inputs and attributes. A grad op is
+    mostly made from its forward op's: the forward inputs, the outputs they make (as
+    inference says) and gradients of those outputs' shapes (sometimes of others)."""
     import fluidps
-    from fluidps.ir.infer import VarInfo
     from fluidps.ir.opschema import REQUIRED
-    from fluidps.ir.types import VarType, to_vartype
+    from fluidps.ir.types import GRAD_SUFFIX, VarType
     from fluidps.ops import REGISTRY
-    from fluidps.ops.selected_rows import SelectedRows
 
     types = sorted(t for t in REGISTRY if REGISTRY.has_kernel(t) and t not in _SKIP_OPS)
     op_type = types[rng.integers(len(types))]
     schema = REGISTRY[op_type]
+    forward = REGISTRY.get(op_type.removesuffix("_grad")) if op_type.endswith("_grad") else None
+    forward = forward if forward is not None and rng.random() < 0.75 else None
     main = fluidps.Program()
     block = main.global_block()
-    common = _random_shape(rng)  # most inputs share it: grad and elementwise ops then agree
-    feed, scope, inputs = {}, {}, {}
+    values: dict[str, Any] = {}
     updates = schema.output_slot("ParamOut") is not None
+    inputs = _random_inputs(rng, forward or schema, block, values, updates)
+    attrs = {}
+    for spec in schema.attrs:
+        wanted = not spec.extra and (spec.default is REQUIRED or rng.random() < 0.4)
+        if wanted and (value := _attr_value(rng, spec.type)) is not None:
+            attrs[spec.name] = value
+    outputs = {}
+    if forward is not None:  # its outputs, and their gradients, from what the forward op makes
+        fwd_outputs = {s.name: [f"{s.name.lower()}_fwd"] for s in forward.outputs if not s.extra}
+        fwd = fluidps.Operator(block, forward.type, inputs, fwd_outputs, attrs)
+        declared, concrete = _inferred(fwd, block, None), _inferred(fwd, block, values)
+        for slot, (name,) in fwd_outputs.items():
+            made = concrete.get(name)
+            too_big = made is None or made.shape is None or abs(np.prod(made.shape, dtype=float)) > 1e6
+            if name not in declared or too_big or rng.random() < 0.1:
+                continue
+            info, grad = declared[name], name + GRAD_SUFFIX
+            block.create_var(name, shape=info.shape, dtype=info.dtype, type=info.type)
+            block.create_var(grad, shape=info.shape, dtype=info.dtype, type=info.type)
+            dtype, shape = (
+                _numpy_name(concrete[name].dtype),
+                tuple(abs(d) for d in concrete[name].shape or ()),
+            )
+            values[name] = _value(rng, shape, dtype, odd=False)
+            odd = rng.random() < 0.2
+            values[grad] = _value(
+                rng, tuple(abs(d) for d in _random_shape(rng)) if odd else shape, dtype, odd=odd
+            )
+            inputs |= {slot: [name]} if rng.random() < 0.8 else {}
+            inputs[slot + GRAD_SUFFIX] = [grad]
+        wanted = [s.name for s in forward.inputs if not s.extra and s.name in inputs]
+        outputs = {s + GRAD_SUFFIX: [f"{s.lower()}_grad_{k}" for k in range(len(inputs[s]))] for s in wanted}
+    else:
+        for slot in schema.outputs:
+            source = slot.name.removesuffix("Out")
+            if slot.extra:
+                continue
+            in_place = updates and source in inputs and rng.random() < 0.8
+            outputs[slot.name] = inputs[source] if in_place else [f"{slot.name.lower()}_out"]
+    op = block._append_op_unchecked(op_type, inputs, outputs, attrs)
+    made = _inferred(op, block, None)  # outputs declared as inferred, where it can say: verify may pass
+    for names in outputs.values():
+        for name in (n for n in names if block.find_var(n) is None):
+            info = made.get(name)
+            known = info is not None and info.shape is not None and info.dtype is not None
+            shape, dtype = (info.shape, info.dtype) if known else (_random_shape(rng), VarType.FP32)
+            block.create_var(name, shape=shape, dtype=dtype, type=info.type if info else VarType.LOD_TENSOR)
+    feed = {n: v for n, v in values.items() if not block.var(n).persistable}
+    scope = {n: v for n, v in values.items() if block.var(n).persistable}
+    fetch = [n for names in outputs.values() for n in names][:1]
+    runs = 3 if mode == "compiled" else 1
+    return Case("single", mode, main, fluidps.Program(), fetch, [feed] * runs, scope, [f"op {op_type}"])
+
+
+def _random_inputs(rng: np.random.Generator, schema: Any, block: Any, values: dict, updates: bool) -> dict:
+    """Variables (declared, valued in `values`) for `schema`'s input slots; most share one shape."""
+    from fluidps.ir.types import VarType
+    from fluidps.ops.selected_rows import SelectedRows
+
+    common = _random_shape(rng)
+    inputs = {}
     for slot in schema.inputs:
         if slot.extra or (slot.dispensable and rng.random() < 0.3):
             continue
         names = []
         for k in range(int(rng.integers(1, 4)) if slot.duplicable else 1):
-            name = f"{slot.name.lower()}_{k}"
-            shape = common if rng.random() < 0.7 else _random_shape(rng)
-            dtype = (
-                "int64"
-                if slot.name in ("Ids", "Label", "Indices") and rng.random() < 0.8
-                else str(rng.choice(_DTYPES))
-            )
+            name, shape = f"{slot.name.lower()}_{k}", common if rng.random() < 0.7 else _random_shape(rng)
+            labels = slot.name in ("Ids", "Label", "Indices") and rng.random() < 0.8
+            dtype = "int64" if labels else str(rng.choice(_DTYPES))
             sparse = slot.name in ("Grad", "X") and rng.random() < (0.5 if updates else 0.1)
-            persistable = updates and slot.name != "Grad"
             kind = VarType.SELECTED_ROWS if sparse else VarType.LOD_TENSOR
-            block.create_var(name, shape=shape, dtype=dtype, type=kind, persistable=persistable)
+            block.create_var(
+                name, shape=shape, dtype=dtype, type=kind, persistable=updates and slot.name != "Grad"
+            )
             concrete = tuple(d if d >= 0 else int(rng.integers(0, 4)) for d in shape)
-            value: Any = _value(rng, concrete, dtype, odd=True)
+            values[name] = _value(rng, concrete, dtype, odd=True)
             if sparse:
-                height = int(rng.integers(1, 6))
-                rows = rng.integers(0, height, int(rng.integers(0, 4)))
+                height, rows = int(rng.integers(1, 6)), rng.integers(0, 6, int(rng.integers(0, 4)))
+                rows = rows % height if rng.random() < 0.9 else rows
                 width = concrete[1:] if concrete else ()
-                value = SelectedRows(rows, _value(rng, (len(rows), *width), dtype, odd=True), height)
-            (scope if persistable else feed)[name] = value
+                value = _value(rng, (len(rows), *width), dtype, odd=True)
+                values[name] = SelectedRows(rows, value, height) if rows.max(initial=0) < height else value
             names.append(name)
         inputs[slot.name] = names
-    attrs = {}
-    for spec in schema.attrs:
-        if spec.extra:
-            continue
-        if spec.default is REQUIRED or rng.random() < 0.4:
-            value = _attr_value(rng, spec.type)
-            if value is not None:
-                attrs[spec.name] = value
-    outputs = {}
-    for slot in schema.outputs:
-        if slot.extra:
-            continue
-        source = slot.name.removesuffix("Out")
-        if updates and source in inputs and rng.random() < 0.8:
-            outputs[slot.name] = inputs[source]  # an update in place
-        else:
-            outputs[slot.name] = [f"{slot.name.lower()}_out"]
-    op = block._append_op_unchecked(op_type, inputs, outputs, attrs)
-    try:  # declare outputs as inferred where inference can say, so that verify may pass
-        made = REGISTRY.infer(op, lambda n: VarInfo.of(v) if (v := block.find_var(n)) is not None else None)
+    return inputs
+
+
+def _inferred(op: Any, block: Any, values: dict | None) -> dict:
+    """What `op`'s inference makes of its block's declarations (or of `values`' shapes); {} if it fails."""
+    from fluidps.ir.infer import VarInfo
+    from fluidps.ops import REGISTRY
+
+    def lookup(name: str) -> Any:
+        var = block.find_var(name)
+        info = None if var is None else VarInfo.of(var)
+        value = None if values is None else values.get(name)
+        if info is not None and value is not None and hasattr(value, "shape"):
+            shape = value.shape if isinstance(value, np.ndarray) else (value.height, *value.value.shape[1:])
+            return VarInfo(name, info.type, info.dtype, tuple(shape))
+        return info
+
+    try:
+        return REGISTRY.infer(op, lookup)
     except Exception:
-        made = {}
-    for names in outputs.values():
-        for name in names:
-            if block.find_var(name) is None:
-                info = made.get(name)
-                shape = info.shape if info is not None and info.shape is not None else _random_shape(rng)
-                dtype = info.dtype if info is not None and info.dtype is not None else to_vartype("float32")
-                kind = info.type if info is not None else VarType.LOD_TENSOR
-                block.create_var(name, shape=shape, dtype=dtype, type=kind)
-    fetch = [n for names in outputs.values() for n in names][:1]
-    runs = 3 if mode == "compiled" else 1
-    return Case("single", mode, main, fluidps.Program(), fetch, [feed] * runs, scope, [f"op {op_type}"])
+        return {}
+
+
+def _numpy_name(dtype: Any) -> str:
+    from fluidps.ir.types import to_numpy_dtype
+
+    try:
+        return to_numpy_dtype(dtype).name
+    except Exception:
+        return "float32"
 
 
 # -- running one case -------------------------------------------------------------------------
