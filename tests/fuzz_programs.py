@@ -515,6 +515,7 @@ def worker(seed: int, start: int, stop: int, cache_dir: str) -> None:
             os.abort()
         if fault == f"hang:{index}":
             time.sleep(3600)
+        started = time.perf_counter()
         try:
             case = maker.case(seed, index)
         except fluidps.Error as e:  # bytes that do not parse, an edit the IR refuses
@@ -523,7 +524,10 @@ def worker(seed: int, start: int, stop: int, cache_dir: str) -> None:
             outcome, detail = "other:making", traceback.format_exc()[-3000:]
         else:
             outcome, detail = run_case(case, cache_dir)
-        print(json.dumps({"index": index, "outcome": outcome, "detail": detail}), flush=True)
+        seconds = round(time.perf_counter() - started, 3)
+        print(
+            json.dumps({"index": index, "outcome": outcome, "detail": detail, "seconds": seconds}), flush=True
+        )
 
 
 # -- the parent: workers, bounded waits -------------------------------------------------------
@@ -533,6 +537,7 @@ def worker(seed: int, start: int, stop: int, cache_dir: str) -> None:
 class Report:
     counts: Counter = field(default_factory=Counter)
     failures: list[dict[str, Any]] = field(default_factory=list)  # not clean, not a fluidps.Error
+    slowest: list[tuple[float, int]] = field(default_factory=list)  # (seconds, index) of the 5 slowest
     seconds: float = 0.0
 
 
@@ -622,6 +627,7 @@ def _one_worker(seed, lo, hi, cache, timeout, report, lock):
                 last, begun = message["index"], None
                 with lock:
                     report.counts[message["outcome"]] += 1
+                    report.slowest = sorted([*report.slowest, (message["seconds"], message["index"])])[-5:]
                     if is_failure(message["outcome"]):
                         report.failures.append({"seed": seed, **message})
         finally:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import fluidps
 from fluidps.ir.verify import shapes_compatible
 
-CI_PROGRAMS, CI_SEED = 1200, 43
+CI_PROGRAMS, CI_SEED = 1500, 43  # 30-40 s on two shared cores; bench.fuzz runs 20,000
 
 
 def _explain(failure: dict) -> str:
@@ -45,10 +45,10 @@ def test_a_worker_killed_by_a_signal_is_reported_with_its_program(monkeypatch):
 
 
 def test_a_program_that_hangs_is_a_timeout_and_the_rest_still_run(monkeypatch):
-    monkeypatch.setenv("FLUIDPS_FUZZ_FAULT", "hang:1")
-    report = fuzz_programs.fuzz(3, seed=0, jobs=1, timeout=30)
-    assert report.counts["timeout"] == 1 and sum(report.counts.values()) == 3
-    assert [f["index"] for f in report.failures] == [1]
+    monkeypatch.setenv("FLUIDPS_FUZZ_FAULT", "hang:0")
+    report = fuzz_programs.fuzz(2, seed=0, jobs=1, timeout=10)
+    assert report.counts["timeout"] == 1 and sum(report.counts.values()) == 2
+    assert [f["index"] for f in report.failures] == [0]
 
 
 _dims = st.lists(st.sampled_from([-1, 0, 1, 2, 3]), min_size=0, max_size=3).map(tuple)
