@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     counts = dict(sorted(report.counts.items(), key=lambda kv: (-kv[1], kv[0])))
     failures = sum(n for outcome, n in counts.items() if fuzz_programs.is_failure(outcome))
     row = {"workload": "fuzz", "programs": args.programs, "seed": args.seed, "outcomes": counts}
-    print(json.dumps(row | {"failures": failures, "seconds": report.seconds}), flush=True)
+    slowest = [{"index": i, "seconds": t} for t, i in reversed(report.slowest)]
+    print(json.dumps(row | {"failures": failures, "seconds": report.seconds, "slowest": slowest}), flush=True)
     for failure in report.failures:
         print(json.dumps({"workload": "fuzz_failure", **failure}), flush=True)
 
