@@ -9,7 +9,8 @@ dtypes of the values it is actually given (through a segment, each op's results 
 the next op's), and a failure is an error naming the op; its kernel never sees them.
 
 Inference runs once per shape signature (each input's shape and dtype): a step with
-shapes already checked costs a tuple and a set lookup. On a new signature the outputs
+the shapes of the step before costs a tuple and a comparison, with shapes seen before a
+set lookup. On a new signature the outputs
 inference predicts are also sized: one larger than this machine's memory is refused
 before anything is allocated, naming the attributes to check.
 """
@@ -133,7 +134,8 @@ class ShapeGuard:
             except Error as e:
                 raise Refused(index, ExecutionError(f"{e}: {_AT_RUN_TIME}"), made) from None
             except Exception as e:  # inference that cannot read these values cannot vouch for them
-                why = f"its shape inference cannot read the values it was given ({type(e).__name__}: {e})"
+                said = "out of memory" if isinstance(e, MemoryError) else f"{type(e).__name__}: {e}"
+                why = f"its shape inference cannot read the values it was given ({said})"
                 raise Refused(index, ExecutionError(why), made) from None
             if (problem := too_large(op, results, self.limit)) is not None:
                 raise Refused(index, ExecutionError(problem), made)
