@@ -39,6 +39,7 @@ from fluidps.ops.selected_rows import SelectedRows
 # new batch size every step) pays inference each step, never unbounded memory.
 CAPACITY = 64
 _SHAPE_AND_DTYPE = attrgetter("shape", "dtype")
+_KIND_SHAPE_AND_DTYPE = attrgetter("__class__", "shape", "dtype")
 _SIZE_ATTRS = (AttrType.INT, AttrType.INTS, AttrType.LONG, AttrType.LONGS)
 _NOT_SIZES = frozenset({"op_role", "dtype", "out_dtype", "in_dtype", "seed"})
 
@@ -53,19 +54,10 @@ class Refused(Exception):
 
 
 def signature(values: Sequence[Any]) -> tuple:
-    """What inference reads of `values`: each array's shape and dtype. A SelectedRows'
-    row count is left out: it varies with every batch and inference never reads it
-    (its rows are checked against its height when it is made)."""
-    return tuple(
-        [
-            (v.shape, v.dtype)
-            if v.__class__ is np.ndarray
-            else (v.height, v.value.shape[1:], v.value.dtype)
-            if v.__class__ is SelectedRows
-            else v.__class__
-            for v in values
-        ]
-    )
+    """What inference reads of `values`: each one's kind, shape and dtype. A SelectedRows'
+    shape is its height and row width: its row count varies with every batch and
+    inference never reads it (its rows are checked against its height when it is made)."""
+    return tuple((v.__class__, getattr(v, "shape", None), getattr(v, "dtype", None)) for v in values)
 
 
 def value_info(name: str, value: Any, declared: VarInfo | None) -> VarInfo | None:
@@ -100,11 +92,15 @@ class ShapeGuard:
 
     def check_env(self, env: dict[str, Any]) -> None:
         """Check the op against the values `env` holds for its inputs; raises Refused."""
-        key = signature([env.get(n) for n in self.names])
+        try:  # (arrays and SelectedRows: a SelectedRows' .shape is its height and width)
+            key = tuple(map(_KIND_SHAPE_AND_DTYPE, map(env.get, self.names)))
+        except AttributeError:  # a missing value, a feed list, a reader, a hashed table
+            key = signature([env.get(n) for n in self.names])
         # (== before the set: equal dtypes are one object, and hashing a dtype is slow)
-        if key != self._last and key not in self._seen:
-            self._learn(key, env)
-        self._last = key
+        if key != self._last:
+            if key not in self._seen:
+                self._learn(key, env)
+            self._last = key
 
     def check_args(self, args: Sequence[Any], env: dict[str, Any]) -> None:
         """Check a compiled segment against `args`, the values of `names` in order:
@@ -114,9 +110,10 @@ class ShapeGuard:
             key = tuple(map(_SHAPE_AND_DTYPE, args))
         except AttributeError:  # a value that is no array: as an op's inputs are keyed
             key = signature(args)
-        if key != self._last and key not in self._seen:
-            self._learn(key, env)
-        self._last = key
+        if key != self._last:
+            if key not in self._seen:
+                self._learn(key, env)
+            self._last = key
 
     def _learn(self, key: tuple, env: dict[str, Any]) -> None:
         made: dict[str, VarInfo] = {}  # through a segment: what its earlier ops make
