@@ -646,7 +646,9 @@ def _one_worker(seed, lo, hi, cache, timeout, report, lock):
         return last, None, "", stderr
     if how is None:
         how = f"signal:{signal.Signals(-code).name}" if code < 0 else f"exit:{code}"
-    return last, begun if begun is not None else last + 1, how, stderr
+    if begun is None:  # between programs (at exit: freeing what an earlier one damaged)
+        return last, last, f"{how} (after it ran)", stderr
+    return last, begun, how, stderr
 
 
 def main(argv: list[str]) -> None:
