@@ -38,8 +38,10 @@ from fluidps.ops.selected_rows import SelectedRows
 # Signatures remembered per op or segment: a program whose shapes keep changing (a
 # new batch size every step) pays inference each step, never unbounded memory.
 CAPACITY = 64
-_SHAPE_AND_DTYPE = attrgetter("shape", "dtype")
-_KIND_SHAPE_AND_DTYPE = attrgetter("__class__", "shape", "dtype")
+# A dtype by its number: arrays numba makes carry dtype objects of their own, and comparing
+# two dtype objects costs more than the rest of a signature.
+_SHAPE_AND_DTYPE = attrgetter("shape", "dtype.num")
+_KIND_SHAPE_AND_DTYPE = attrgetter("__class__", "shape", "dtype.num")
 _SIZE_ATTRS = (AttrType.INT, AttrType.INTS, AttrType.LONG, AttrType.LONGS)
 _NOT_SIZES = frozenset({"op_role", "dtype", "out_dtype", "in_dtype", "seed"})
 
@@ -57,7 +59,10 @@ def signature(values: Sequence[Any]) -> tuple:
     """What inference reads of `values`: each one's kind, shape and dtype. A SelectedRows'
     shape is its height and row width: its row count varies with every batch and
     inference never reads it (its rows are checked against its height when it is made)."""
-    return tuple((v.__class__, getattr(v, "shape", None), getattr(v, "dtype", None)) for v in values)
+    return tuple(
+        (v.__class__, getattr(v, "shape", None), getattr(getattr(v, "dtype", None), "num", None))
+        for v in values
+    )
 
 
 def value_info(name: str, value: Any, declared: VarInfo | None) -> VarInfo | None:
@@ -96,7 +101,7 @@ class ShapeGuard:
             key = tuple(map(_KIND_SHAPE_AND_DTYPE, map(env.get, self.names)))
         except AttributeError:  # a missing value, a feed list, a reader, a hashed table
             key = signature([env.get(n) for n in self.names])
-        # (== before the set: equal dtypes are one object, and hashing a dtype is slow)
+        # (== before the set: the last signature is the likeliest)
         if key != self._last:
             if key not in self._seen:
                 self._learn(key, env)
