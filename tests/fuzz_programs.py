@@ -115,6 +115,7 @@ def _seed_programs() -> list[tuple[str, bytes, bytes, str]]:
         seeds.append(built(f"sparse/{k}", sparse, opt))
     seeds.append(built("conv/sgd", conv, optimizers[0]))
     seeds.append(built("layout/momentum", layout, optimizers[3]))
+    seeds.append(_inference_model(fluidps, HERE / "fixtures" / "paddle" / "lenet_infer" / "model.pdmodel"))
     for name in ("sgd_tanh", "adam_sparse"):
         fixture = HERE / "fixtures" / "paddle" / name
         loss = json.loads((fixture / "summary.json").read_text())["loss"]
@@ -127,6 +128,22 @@ def _seed_programs() -> list[tuple[str, bytes, bytes, str]]:
             )
         )
     return seeds
+
+
+def _inference_model(fluidps: Any, path: Path) -> tuple[str, bytes, bytes, str]:
+    """Paddle's LeNet saved for inference (feed and fetch ops), with a startup program
+    that fills its parameters at random."""
+    from fluidps.ir.types import VarType
+
+    main = fluidps.Program.parse_from_string(path.read_bytes())
+    startup = fluidps.Program()
+    block = startup.global_block()
+    for var in main.global_block().vars.values():
+        if var.persistable and var.type == VarType.LOD_TENSOR and var.shape:
+            block.create_var(var.name, shape=var.shape, dtype=var.dtype, persistable=True)
+            attrs = {"shape": list(var.shape), "dtype": int(var.dtype), "seed": 1}
+            fluidps.op_registry.append_op(block, "uniform_random", {}, {"Out": var.name}, attrs)
+    return "paddle/lenet_infer", path.read_bytes(), startup.serialize_to_string(), ""
 
 
 # -- cases ------------------------------------------------------------------------------------
@@ -186,7 +203,7 @@ class Maker:
                 edits.append(_mutate(rng, main))
         runs = 3 if mode == "compiled" else int(rng.integers(1, 3))
         feeds = [_feed(rng, main.global_block(), odd=kind != "seed" or step > 0) for step in range(runs)]
-        return Case(str(kind), mode, main, startup, [loss], feeds, edits=edits)
+        return Case(str(kind), mode, main, startup, [loss] if loss else [], feeds, edits=edits)
 
 
 def _mutate(rng: np.random.Generator, program: Any) -> str:
@@ -278,7 +295,8 @@ def _feed(rng: np.random.Generator, block: Any, odd: bool) -> dict[str, np.ndarr
     written: set[str] = set()
     wanted: list[str] = []
     for op in block.ops:
-        for name in op.input_arg_names:
+        reads = op.output_arg_names if op.type == "feed" else op.input_arg_names  # (a feed op's column)
+        for name in reads:
             var = block.find_var(name)
             if name == EMPTY_VAR_NAME or name in written or var is None or var.persistable:
                 continue
@@ -496,6 +514,8 @@ def _run_raw(case: Case) -> None:
     runner = BlockRunner(case.main.global_block())
     for feed in case.feeds:
         env = {n: exe.scope[n] for n in exe.scope} | dict(case.scope) | dict(feed)
+        columns = [op.output("Out")[0] for op in case.main.global_block().ops if op.type == "feed"]
+        env["feed"] = [feed.get(name) for name in columns]  # (what Executor.run makes of a feed)
         runner.run(env)
 
 

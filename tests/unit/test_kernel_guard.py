@@ -266,3 +266,41 @@ def test_a_beta_power_with_no_element_is_refused_before_a_compiled_adam_writes_i
     assert out.startswith(
         "ExecutionError: block 0, op #0 (adam) failed: op 'adam': Beta1Pow b1 [0] float32 must hold one value"
     )
+
+
+# -- found by the fuzzer: inference and kernels sized by an attribute before checking it ------
+
+
+def test_a_split_into_more_parts_than_outputs_is_refused_before_the_parts_are_listed():
+    """split's inference made a list of `num` sections (2**31 - 1: 16 GB) before it
+    compared them with its outputs."""
+    out = isolated("""
+        main = program("split", {"X": "x"}, {"Out": ["a", "b"]}, {"num": 2**31 - 1, "axis": 1},
+                       x=[-1, 4], a=[-1, 2], b=[-1, 2])
+        print(outcome(lambda: fluidps.verify(main)))
+        print(outcome(lambda: BlockRunner(main.global_block()).run({"x": np.ones((2, 4), "float32")})))
+    """)
+    verified, ran = out.splitlines()
+    assert (
+        verified.startswith("VerifyError") and "attribute num=2147483647 makes 2147483647 parts" in verified
+    )
+    assert ran.startswith("ExecutionError: block 0, op #0 (split) failed") and "num=2147483647" in ran
+
+
+@pytest.mark.parametrize(
+    "op_type, col", [("fetch", 2**31 - 1), ("fetch", -1), ("feed", 2**31 - 1), ("feed", -2)]
+)
+def test_a_feed_or_fetch_column_outside_its_list_is_refused(op_type, col):
+    """The executor sizes the feed list by the largest column (and fetch grew its list to
+    `col`): a column past the program's feed / fetch ops was a 16 GB list."""
+    holder = fluidps.VarType.FEED_MINIBATCH if op_type == "feed" else fluidps.VarType.FETCH_LIST
+    main = fluidps.Program()
+    block = main.global_block()
+    block.create_var("x", shape=[-1, 4], dtype="float32")
+    block.create_var(op_type, type=holder, persistable=True)
+    slots = ({"X": op_type}, {"Out": "x"}) if op_type == "feed" else ({"X": "x"}, {"Out": op_type})
+    block._append_op_unchecked(op_type, *slots, {"col": col})
+    (problem,) = fluidps.check(main)
+    assert f"op #0 ({op_type})" in problem and f"attribute col={col} must be in [0, 1)" in problem
+    with pytest.raises(fluidps.ExecutionError, match=rf"op #0 \({op_type}\) failed: .*col={col}"):
+        BlockRunner(block).run({"x": np.ones((2, 4), np.float32), "feed": [np.ones((2, 4), np.float32)]})
