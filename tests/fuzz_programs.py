@@ -624,6 +624,9 @@ def _one_worker(seed, lo, hi, cache, timeout, report, lock):
     """Run a worker on lo..hi-1; (last index done, culprit index or None, outcome, stderr)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
     env["NUMBA_BOUNDSCHECK"] = "1"  # a kernel past an array's end raises, named by run_case
+    # ... compiled into a cache of their own: numba's cache index does not tell bounds-checked
+    # code from plain, and the package's own cache would serve it to every later process.
+    env["NUMBA_CACHE_DIR"] = str(Path(cache) / "numba-boundscheck")
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
             [sys.executable, str(Path(__file__)), "--worker", str(seed), str(lo), str(hi), cache],
