@@ -18,6 +18,7 @@ from fluidps.ir.program import Block
 from fluidps.ir.types import EMPTY_VAR_NAME, VarType, dtype_name, to_vartype
 from fluidps.ops import REGISTRY
 from fluidps.ops.kernel import Runner
+from fluidps.ops.lowering import ShapesChanged
 from fluidps.ops.runtime_api import KernelRuntime
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.profiling import COMMUNICATION_OPS, UNTIMED_OPS
@@ -215,12 +216,15 @@ class BlockRunner:
         except (KeyError, AttributeError):  # a missing or odd input: the interpreter says which
             self._run_interpreted(segment, env)
             return
+        guard = self._segment_guards[segment.start]
         try:
-            self._segment_guards[segment.start].check_args(args, env)
+            try:  # the segment compares its inputs' shapes with those its guard checked ...
+                results = segment.fn(guard.shapes, *args)
+            except ShapesChanged:  # ... and new ones are checked by shape inference before it runs
+                guard.check_args(args, env)
+                results = segment.fn(guard.shapes, *args)
         except Refused as e:  # (the values its earlier ops would make, as inference says)
             raise ExecutionError(self._failure(e.index, {**e.made, **env}, e.reason)) from None
-        try:
-            results = segment.fn(*args)
         except NumbaError:  # no compiled form for these inputs' types: interpreted from now on
             self._broken.add(segment.start)
             self._run_interpreted(segment, env)

@@ -8,9 +8,11 @@ index several arrays by one index) runs, its shape inference runs on the shapes 
 dtypes of the values it is actually given (through a segment, each op's results feed
 the next op's), and a failure is an error naming the op; its kernel never sees them.
 
-Inference runs once per shape signature (each input's shape and dtype): a step with
+Inference runs once per shape signature (each input's kind, shape and dtype): a step with
 the shapes of the step before costs a tuple and a comparison, with shapes seen before a
-set lookup. On a new signature the outputs
+set lookup. A compiled segment compares its inputs' shapes with those last checked
+itself, in its first compiled statements, and raises ops.lowering.ShapesChanged for the
+guard to check new ones (a new dtype there is numba's: it compiles the segment for it). On a new signature the outputs
 inference predicts are also sized: one larger than this machine's memory is refused
 before anything is allocated, naming the attributes to check.
 """
@@ -40,7 +42,6 @@ from fluidps.ops.selected_rows import SelectedRows
 CAPACITY = 64
 # A dtype by its number: arrays numba makes carry dtype objects of their own, and comparing
 # two dtype objects costs more than the rest of a signature.
-_SHAPE_AND_DTYPE = attrgetter("shape", "dtype.num")
 _KIND_SHAPE_AND_DTYPE = attrgetter("__class__", "shape", "dtype.num")
 _SIZE_ATTRS = (AttrType.INT, AttrType.INTS, AttrType.LONG, AttrType.LONGS)
 _NOT_SIZES = frozenset({"op_role", "dtype", "out_dtype", "in_dtype", "seed"})
@@ -94,6 +95,9 @@ class ShapeGuard:
         self.names = list(dict.fromkeys(n for n in names if n != EMPTY_VAR_NAME))
         self._seen: set[tuple] = set()
         self._last: tuple | None = None  # the signature of the last run, checked
+        # What a compiled segment compares its inputs with before it runs (ops.lowering.shape_matches):
+        # each one's rank, then its dimensions, as last checked here (nothing yet: -1 matches nothing).
+        self.shapes = np.full(1, -1, dtype=np.int64)
 
     def check_env(self, env: dict[str, Any]) -> None:
         """Check the op against the values `env` holds for its inputs; raises Refused."""
@@ -108,17 +112,15 @@ class ShapeGuard:
             self._last = key
 
     def check_args(self, args: Sequence[Any], env: dict[str, Any]) -> None:
-        """Check a compiled segment against `args`, the values of `names` in order:
-        dense arrays (a SelectedRows keyed by its dense shape fails in numba's dispatch
-        before any compiled code runs, and the interpreter's per-op guards see it)."""
-        try:
-            key = tuple(map(_SHAPE_AND_DTYPE, args))
-        except AttributeError:  # a value that is no array: as an op's inputs are keyed
-            key = signature(args)
-        if key != self._last:
-            if key not in self._seen:
-                self._learn(key, env)
-            self._last = key
+        """Check a compiled segment against `args`, the values of `names` in order, when
+        the segment found their shapes changed (ops.lowering.ShapesChanged); then `shapes`
+        holds theirs. (A value that is no array fails numba's dispatch before any compiled
+        code runs, and the interpreter's per-op guards see it.)"""
+        key = signature(args)
+        if key not in self._seen:
+            self._learn(key, env)
+        dims = [x for a in args for x in (getattr(a, "ndim", 0), *getattr(a, "shape", ()))]
+        self.shapes = np.array(dims, dtype=np.int64)
 
     def _learn(self, key: tuple, env: dict[str, Any]) -> None:
         made: dict[str, VarInfo] = {}  # through a segment: what its earlier ops make
