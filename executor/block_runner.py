@@ -12,11 +12,13 @@ import numpy as np
 from numba.core.errors import NumbaError
 
 from fluidps.errors import EOFException, Error, ExecutionError, NoDataYet
+from fluidps.executor.shape_guard import Refused, ShapeGuard, check_declared, memory_limit
 from fluidps.ir.infer import VarInfo
 from fluidps.ir.program import Block
-from fluidps.ir.types import EMPTY_VAR_NAME, VarType, to_vartype
+from fluidps.ir.types import EMPTY_VAR_NAME, VarType, dtype_name, to_vartype
 from fluidps.ops import REGISTRY
 from fluidps.ops.kernel import Runner
+from fluidps.ops.lowering import ShapesChanged
 from fluidps.ops.runtime_api import KernelRuntime
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.profiling import COMMUNICATION_OPS, UNTIMED_OPS
@@ -26,6 +28,8 @@ if TYPE_CHECKING:  # the compiler room loads only where an Executor compiles
 
 
 def describe(value: Any) -> str:
+    if isinstance(value, VarInfo):  # a value not made yet, as shape inference says it would be
+        return f"{dtype_name(value.dtype)}{list(value.shape or [])} (inferred)"
     if isinstance(value, SelectedRows):
         return repr(value)
     if isinstance(value, np.ndarray):
@@ -48,7 +52,11 @@ class BlockRunner:
     already (a startup program, run once, never is; interpreted runs give the same
     results). A segment that fails is run again op by
     op, so that the error names the op; one that writes persistable state in place is
-    not, and its error names its ops."""
+    not, and its error names its ops.
+
+    Before each op's kernel, and each compiled segment, runs, a ShapeGuard
+    (fluidps.executor.shape_guard) checks the values it is given with its shape
+    inference (once per shape signature): numba's kernels do no bounds checks."""
 
     def __init__(
         self,
@@ -66,7 +74,16 @@ class BlockRunner:
             for op in block.ops
         ]
         self.runners: list[Runner] = []
+        self._limit = memory_limit()  # (read once: what one output may take)
+        self._guards = [
+            ShapeGuard(block, i, i + 1, op.input_arg_names, self._limit) for i, op in enumerate(block.ops)
+        ]
         for i, op in enumerate(block.ops):
+            # Before its builder runs: a builder may allocate a constant its attributes size.
+            if (too_large := check_declared(op, block, self._limit)) is not None:
+                raise ExecutionError(
+                    f"block {block.idx}, op #{i} ({op.type}): cannot build its kernel: {too_large}"
+                )
             try:
                 self.runners.append(REGISTRY.build_kernel(op, runtime))
             except Error as e:
@@ -78,6 +95,7 @@ class BlockRunner:
                 ) from None
         self._compiler, self._keep = compiler, tuple(keep)
         self.segments: dict[int, Segment] = {}  # by first op, once compiled
+        self._segment_guards: dict[int, ShapeGuard] = {}
         self._runs = 0
         self._compiled = False  # compiled (or tried to): see Compiler.compile_after
         self._broken: set[int] = set()  # segments numba could not compile: interpreted
@@ -104,12 +122,15 @@ class BlockRunner:
         index = 0
         try:
             if self._profile is None:
-                for index, runner in enumerate(self.runners):  # noqa: B007 (index names the failing op)
+                guarded = zip(self._guards, self.runners, strict=True)
+                for index, (guard, runner) in enumerate(guarded):  # noqa: B007 (index names the failing op)
+                    guard.check_env(env)
                     runner(env)
             else:
                 add, clock = self._profile.add, time.perf_counter
-                timed = zip(self.runners, self._categories, strict=True)
-                for index, (runner, category) in enumerate(timed):  # noqa: B007 (as above)
+                timed = zip(self._guards, self.runners, self._categories, strict=True)
+                for index, (guard, runner, category) in enumerate(timed):  # noqa: B007 (as above)
+                    guard.check_env(env)
                     start = clock()
                     try:
                         runner(env)
@@ -118,6 +139,8 @@ class BlockRunner:
                             add(category, clock() - start)
         except (EOFException, NoDataYet):
             raise  # not failures: a reader's end of data, which training loops catch
+        except Refused as e:
+            raise ExecutionError(self._failure(e.index, env, e.reason)) from None
         except Exception as e:
             raise ExecutionError(self._failure(index, env, e)) from e
 
@@ -138,6 +161,9 @@ class BlockRunner:
                 return  # (not on disk yet: compiled at run compile_after)
             self._compiled = True
             self.segments = {s.start: s for s in segments}
+            self._segment_guards = {
+                s.start: ShapeGuard(self.block, s.start, s.stop, s.inputs, self._limit) for s in segments
+            }
         except Exception as e:  # the interpreter gives the same results: compiling is only faster
             self._compiled = True
             warnings.warn(
@@ -168,9 +194,12 @@ class BlockRunner:
         category = self._categories[index] if self._profile is not None else None
         start = time.perf_counter() if category is not None else 0.0
         try:
+            self._guards[index].check_env(env)
             self.runners[index](env)
         except (EOFException, NoDataYet):
             raise
+        except Refused as e:
+            raise ExecutionError(self._failure(index, env, e.reason)) from None
         except Exception as e:
             raise ExecutionError(self._failure(index, env, e)) from e
         finally:
@@ -187,8 +216,15 @@ class BlockRunner:
         except (KeyError, AttributeError):  # a missing or odd input: the interpreter says which
             self._run_interpreted(segment, env)
             return
+        guard = self._segment_guards[segment.start]
         try:
-            results = segment.fn(*args)
+            try:  # the segment compares its inputs' shapes with those its guard checked ...
+                results = segment.fn(guard.shapes, *args)
+            except ShapesChanged:  # ... and new ones are checked by shape inference before it runs
+                guard.check_args(args, env)
+                results = segment.fn(guard.shapes, *args)
+        except Refused as e:  # (the values its earlier ops would make, as inference says)
+            raise ExecutionError(self._failure(e.index, {**e.made, **env}, e.reason)) from None
         except NumbaError:  # no compiled form for these inputs' types: interpreted from now on
             self._broken.add(segment.start)
             self._run_interpreted(segment, env)
@@ -198,7 +234,7 @@ class BlockRunner:
                 raise ExecutionError(
                     f"block {self.block.idx}, ops #{segment.start}..#{segment.stop - 1} "
                     f"({', '.join(op.type for op in self.block.ops[segment.start : segment.stop])}; compiled) "
-                    f"failed: {type(e).__name__}: {e}"
+                    f"failed: {_reason(e)}"
                 ) from e
             self._run_interpreted(segment, env)  # it raises, naming the op; or it is a case only it handles
             return
@@ -219,11 +255,21 @@ class BlockRunner:
             )
 
         if not isinstance(error, Error):  # numpy's or numba's words: ours, where the shapes tell
-            error = _shape_problem(op, env) or error
+            error = _shape_problem(op, env) or (_reason(error) if isinstance(error, MemoryError) else error)
         return (
             f"block {self.block.idx}, op #{index} ({op.type}) failed: {error}\n  inputs:  {slots(op.inputs)}\n"
             f"  outputs: {', '.join(op.output_arg_names)}"
         )
+
+
+def _reason(error: BaseException) -> str:
+    """An error that is not fluidps's, in words (a MemoryError's own are none)."""
+    if isinstance(error, MemoryError):
+        said = f": {error}" if str(error) else ""
+        return (
+            f"out of memory (MemoryError{said}): its inputs or attributes ask for more than this machine has"
+        )
+    return str(error) if isinstance(error, Error) else f"{type(error).__name__}: {error}"
 
 
 def _contiguous(value: Any) -> Any:

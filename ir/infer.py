@@ -157,7 +157,10 @@ def elementwise_shape(x: Shape, y: Shape, axis: int, ctx: InferContext) -> Shape
     big, small = (y, x) if swap else (x, y)
     start = len(big) - len(small) if axis == -1 else axis
     if not 0 <= start <= len(big) - len(small):
-        ctx.fail(f"axis {axis} cannot align a rank-{len(small)} operand inside a rank-{len(big)} one")
+        ctx.fail(
+            f"attribute axis={axis} cannot align a rank-{len(small)} operand inside a rank-{len(big)} one: "
+            f"axis must be in [-1, rank(X) - rank(Y)] = [-1, {len(big) - len(small)}]"
+        )
     padded = (1,) * start + tuple(small) + (1,) * (len(big) - len(small) - start)
     out = []
     for i, (a, b) in enumerate(zip(big, padded, strict=True)):

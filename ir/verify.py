@@ -234,6 +234,8 @@ def _check_inference(block: Block, op: Operator, schema: OpSchema, scope: _Scope
         OverflowError,
     ) as e:  # what the rules did not foresee
         return [f"its attributes or inputs cannot be inferred from ({type(e).__name__}: {e})"]
+    except MemoryError:  # a rule sized by an attribute (a list of `num` parts) before checking it
+        return ["its attributes ask shape inference for more memory than there is (out of memory)"]
     problems = []
     for name, inferred in ctx.results.items():
         var = scope.find(block.idx, name)

@@ -8,10 +8,19 @@ import math
 import numpy as np
 from numba import njit
 
+from fluidps.errors import ExecutionError
+
 
 def aligned_shape(small: tuple[int, ...], rank: int, axis: int) -> tuple[int, ...]:
-    """`small` padded with 1s to `rank` dimensions, starting at `axis` (-1: trailing)."""
+    """`small` padded with 1s to `rank` dimensions, starting at `axis` (-1: trailing).
+    The axis is checked first: it sizes the padding (2**31 - 1 would ask for a tuple of
+    two billion 1s)."""
     start = rank - len(small) if axis == -1 else axis
+    if not 0 <= start <= rank - len(small):
+        raise ExecutionError(
+            f"attribute axis={axis} cannot align a rank-{len(small)} operand inside a rank-{rank} one: "
+            f"axis must be in [-1, rank(X) - rank(Y)] = [-1, {rank - len(small)}]"
+        )
     return (1,) * start + tuple(small) + (1,) * (rank - len(small) - start)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from fluidps.errors import ExecutionError
+from fluidps.ir.infer import InferContext
 from fluidps.ops.defs import In, Int, Out
 from fluidps.ops.kernel import Env, KernelOp, Runner
 from fluidps.ops.registry import OpFamily
@@ -19,8 +20,19 @@ from fluidps.ops.selected_rows import SelectedRows
 
 family = OpFamily("io")
 
-family.define("feed", inputs=[In("X")], outputs=[Out("Out")], attrs=[Int("col", 0)])
-family.define("fetch", inputs=[In("X")], outputs=[Out("Out")], attrs=[Int("col", 0)])
+
+def _infer_column(ctx: InferContext) -> None:
+    """Column `col` of the feed (fetch) list: one column per feed (fetch) op of the block.
+    The executor sizes the list by the largest column, so a column is checked first."""
+    col, block = ctx.attr("col"), ctx.op.block
+    # (this op counted once, whether it is in the block yet or is being added to it)
+    columns = None if block is None else 1 + sum(op.type == ctx.type for op in block.ops if op is not ctx.op)
+    if col < 0 or (columns is not None and col >= columns):
+        ctx.fail(f"attribute col={col} must be in [0, {columns}): one column per {ctx.type} op of its block")
+
+
+for _type in ("feed", "fetch"):
+    family.define(_type, inputs=[In("X")], outputs=[Out("Out")], attrs=[Int("col", 0)], infer=_infer_column)
 
 
 @family.kernel("feed")

@@ -29,6 +29,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from numba import njit
+
 from fluidps.errors import ExecutionError
 from fluidps.ir.operator import Operator
 from fluidps.ir.opschema import OpSchema
@@ -207,3 +209,25 @@ class BatchForm:
 
     key: Callable[[LoweringOp], Hashable | None]
     lines: Callable[[Sequence[LoweringOp]], list[str]]
+
+
+# -- the shapes a compiled segment was checked for ---------------------------------------------
+
+
+class ShapesChanged(Exception):
+    """Raised by a compiled segment, before it does anything, when its inputs' shapes are
+    not those its shape guard last checked (fluidps.executor.shape_guard): the guard's
+    shape inference then runs, and the segment is called again."""
+
+
+@njit(cache=True)
+def shape_matches(checked, k, a):
+    """The position past array `a`'s entry in `checked` (its rank, then its dimensions)
+    when `a` has that shape, else -1 (also when `k` is -1 already): a segment's first
+    statements, one call per input array."""
+    if k < 0 or k + 1 + a.ndim > checked.shape[0] or checked[k] != a.ndim:
+        return -1
+    for d in range(a.ndim):
+        if checked[k + 1 + d] != a.shape[d]:
+            return -1
+    return k + 1 + a.ndim

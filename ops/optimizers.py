@@ -24,17 +24,32 @@ family = OpFamily("optimizers")
 _NO_MASTER = Compat(Bool("multi_precision", False), hint="mixed-precision master weights are not supported")
 
 
-def _infer_update(*state: str):
-    """Outputs `<slot>Out` share their input slot's shape; the gradient must match Param."""
+# One-value inputs: compiled updates read (and write) their element [0] unchecked.
+_SCALARS = ("LearningRate", "Beta1Pow", "Beta2Pow")
+
+
+def _infer_update(*state: str, accumulators: tuple[str, ...] = ()):
+    """Outputs `<slot>Out` share their input slot's shape; the gradient and each state
+    input (`state`, and `accumulators`, whose outputs are named otherwise) must have
+    Param's elements, as the kernels index them by Param's; scalars must hold one value."""
 
     def infer(ctx: InferContext) -> None:
-        param, grad, lr = ctx.input("Param"), ctx.input("Grad"), ctx.input("LearningRate")
-        if numel(lr.shape) not in (1, -1):
-            ctx.fail(f"LearningRate must hold one value, got shape {list(lr.shape)}")
-        dense_mismatch = grad.type == VarType.LOD_TENSOR and len(grad.shape) != len(param.shape)
-        sparse_mismatch = grad.type == VarType.SELECTED_ROWS and grad.shape[1:] != param.shape[1:]
-        if dense_mismatch or sparse_mismatch:
-            ctx.fail(f"Grad {grad.describe()} does not match Param {param.describe()}")
+        param, grad = ctx.input("Param"), ctx.input("Grad")
+        size = numel(param.shape)
+        for slot in ("LearningRate", *state, *accumulators):
+            info, scalar = ctx.input(slot), slot in _SCALARS
+            if numel(info.shape) not in (1, -1) if scalar else -1 < numel(info.shape) != size > -1:
+                ctx.fail(
+                    f"{slot} {info.describe()} must hold {'one value' if scalar else 'as many elements as Param'}"
+                )
+        if (
+            grad.shape[1:] != param.shape[1:]
+            if grad.type == VarType.SELECTED_ROWS
+            else len(grad.shape) != len(param.shape) or -1 < numel(grad.shape) != size > -1
+        ):
+            ctx.fail(
+                f"Grad {grad.describe()} does not match Param of shape {list(param.shape)} ({param.name})"
+            )
         for slot in ("Param", *state):
             if ctx.has_output(slot + "Out"):
                 ctx.share(slot + "Out", ctx.input(slot))
@@ -130,7 +145,7 @@ family.define(
         Float("l2", 0.0),
         Only(Float("lr_power", -0.5), hint="fluidps's FTRL supports only lr_power -0.5"),
     ],
-    infer=_infer_update(),
+    infer=_infer_update(accumulators=("SquaredAccumulator", "LinearAccumulator")),
 )
 
 # -- kernels -----------------------------------------------------------------------------

@@ -82,6 +82,8 @@ def _infer_split(ctx: InferContext) -> None:
     outs = ctx.op.output("Out")
     num, sections = ctx.attr("num"), list(ctx.attr("sections"))
     total = x.shape[axis]
+    if num > len(outs):  # (before a list of `num` sections is made)
+        ctx.fail(f"attribute num={num} makes {num} parts but the op has {len(outs)} outputs")
     if num > 0:
         if total >= 0 and total % num:
             ctx.fail(f"dimension {axis} of size {total} does not split into {num} equal parts")
@@ -240,6 +242,10 @@ def _split_kernel(op: KernelOp) -> Runner:
         x = env[x_name]
         ax = axis + x.ndim if axis < 0 else axis
         total = x.shape[ax]
+        if num > len(out_names):  # (what inference says, before a list of `num` sizes is made)
+            raise ExecutionError(
+                f"split: attribute num={num} makes more parts than its {len(out_names)} outputs"
+            )
         if num > 0:
             sizes = [total // num] * num
         else:

@@ -17,9 +17,10 @@ from fluidps.executor.compiler import batching, buffers, fusion
 from fluidps.ir.operator import Operator
 from fluidps.ir.types import EMPTY_VAR_NAME
 from fluidps.ops import REGISTRY
-from fluidps.ops.lowering import LoweringOp
+from fluidps.ops.lowering import LoweringOp, shape_matches
 
 FUNCTION = "segment"
+CHECKED = "checked"  # its first argument: the shapes its guard checked (rank, then dimensions, per input)
 
 
 @dataclass
@@ -27,7 +28,7 @@ class SegmentSource:
     """The generated module of one segment, and how to call its function."""
 
     text: str
-    inputs: list[str]  # variable names, in argument order
+    inputs: list[str]  # variable names, in argument order (after the shapes checked)
     outputs: list[str]  # variable names, in the order of the returned tuple
     helper_sources: list[str] = field(default_factory=list)  # for the cache key
 
@@ -138,7 +139,15 @@ def generate(
             lines = plan.single[k].lines
         body += [f"    {line}" for line in lines]
     outputs = [n for n in names.locals if n in written and needed_after(n)]
-    imports = []
+    # First, its inputs' shapes against those its shape guard checked (ops.lowering.ShapesChanged):
+    # numba checks no bounds, and a step with the shapes of the step before costs no Python.
+    check = [f"    {CHECKED}k = 0"]
+    check += [
+        f"    {CHECKED}k = {names.helper(shape_matches)}({CHECKED}, {CHECKED}k, {names.locals[n]})"
+        for n in reads
+    ]
+    check += [f"    if {CHECKED}k != {CHECKED}.shape[0]:", "        raise ShapesChanged()"]
+    imports = ["from fluidps.ops.lowering import ShapesChanged"]
     sources = []
     for fn, alias in names.helpers.items():
         py = getattr(fn, "py_func", fn)
@@ -158,7 +167,8 @@ def generate(
             "",
             "",
             "@njit(cache=True)",
-            f"def {FUNCTION}({', '.join(names.locals[n] for n in reads)}):",
+            f"def {FUNCTION}({', '.join([CHECKED, *(names.locals[n] for n in reads)])}):",
+            *check,
             *body,
             f"    return ({returned}{',' if len(outputs) == 1 else ''})",
             "",
