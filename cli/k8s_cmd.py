@@ -38,7 +38,7 @@ def _claim(name: str | None) -> dict | None:
 @click.option("--name", required=True, help="The job's name: its objects are NAME-env, NAME-pserver, ...")
 @click.option("--pservers", type=int, required=True, help="How many pservers.")
 @click.option("--trainers", type=int, required=True, help="How many trainers.")
-@click.option("--image", required=True, help="The container image (see the README's Dockerfile).")
+@click.option("--image", required=True, help="The container image (see the repository's Dockerfile).")
 @click.option("--namespace", default="default", show_default=True)
 @click.option("--mode", type=click.Choice(MODES), default="sync", show_default=True, help="FLUIDPS_MODE.")
 @click.option("--keys", type=click.Path(file_okay=False), help="Key directory (fluidps keys gen): a Secret.")

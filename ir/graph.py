@@ -2,7 +2,8 @@
 
 Op nodes and variable nodes alternate: an edge var -> op is a read (labelled
 with the slot), op -> var a write. Sub-blocks are DOT clusters, joined to the
-op that owns them by a dashed edge.
+op that owns them by a dashed edge; a variable only one sub-block's ops use is drawn
+in that block's cluster.
 """
 
 from __future__ import annotations
@@ -77,15 +78,17 @@ def to_dot(program: Program, block_idx: int | None = None) -> str:
     """Graphviz DOT text: ops as boxes, variables as ellipses, parameters filled,
     other persistable variables doubled, each block a cluster."""
     graph = to_networkx(program, block_idx)
+    by_block: dict[int, list[str]] = {}
+    for node, data in graph.nodes(data=True):
+        by_block.setdefault(_drawn_in(graph, node, data), []).append(node)
+    # Blocks side by side (a pserver's optimize blocks) read best as rows, one block a row.
+    direction = "LR" if len(by_block) > 1 else "TB"
     lines = [
         "digraph program {",
-        "  rankdir=TB; compound=true;",
+        f"  rankdir={direction}; compound=true;",
         '  node [fontname="Helvetica", fontsize=10];',
         '  edge [fontname="Helvetica", fontsize=8, color="#555555"];',
     ]
-    by_block: dict[int, list[str]] = {}
-    for node, data in graph.nodes(data=True):
-        by_block.setdefault(data["block"], []).append(node)
     for idx in sorted(by_block):
         lines.append(f"  subgraph cluster_{idx} {{")
         parent = program.block(idx).parent_idx
@@ -106,6 +109,17 @@ def to_dot(program: Program, block_idx: int | None = None) -> str:
                 )
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _drawn_in(graph: nx.MultiDiGraph, node: str, data: dict) -> int:
+    """The cluster a node is drawn in: its block, except a variable that only ops of one
+    other block use (a pserver's parameter, moments and per-trainer gradients, declared
+    in block 0 for its optimize block), which is drawn with them, so that each optimize
+    block reads as one picture instead of every variable lining up in block 0."""
+    if data["kind"] == "op":
+        return data["block"]
+    users = {graph.nodes[n]["block"] for n in (*graph.predecessors(node), *graph.successors(node))}
+    return users.pop() if len(users) == 1 else data["block"]
 
 
 def _node_style(data: dict) -> str:

@@ -63,7 +63,7 @@ class DistributeTranspilerConfig:
       recv_interval steps; a step uses the last values pulled (only the first pull is
       waited for). The price is staleness: steps compute on older parameters and
       merged gradients make fewer updates, so a model may need more steps to reach the
-      same loss (README, Performance, has a measured case).
+      same loss (docs/performance/0007-launch-and-communicator.md has a measured case).
     """
 
     slice_var_up: bool = True

@@ -102,7 +102,7 @@ class Resources:
 class KubernetesCluster:
     """Where and how a job's pods run.
 
-    `image`: the container image (the README's Dockerfile: python + fluidps and the
+    `image`: the container image (the repository's Dockerfile: python + fluidps and the
     training script). `command`: what every pserver and trainer pod runs, the Fluid way
     (`fluidps launch`'s contract: the same script in every process, its role from the
     environment), e.g. ("python", "/app/train.py"). `checkpoint_volume` / `data_volume`:

@@ -299,3 +299,12 @@ def test_the_cores_bench_times_a_wake_up_across_cores_and_on_one():
     assert rows[-1]["cores"] == [cores[0], cores[0]]
     if len(cores) > 1:
         assert rows[0]["cores"] == [cores[0], cores[-1]]
+
+
+def test_the_guard_bench_times_a_step_with_the_guard_and_without():
+    rows = bench("guard", "--steps", "3", "--windows", "2", "--models", "tiny")
+    assert [(r["workload"], r["executor"]) for r in rows] == [("tiny", "interpreted"), ("tiny", "compiled")]
+    for row in rows:
+        assert row["ops"] == 11 and row["windows"] == 2
+        assert row["step_us_guarded"] > 0 and row["step_us_unguarded"] > 0
+        assert row["ratio_range"][0] <= row["ratio"] <= row["ratio_range"][1]

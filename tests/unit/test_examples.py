@@ -44,9 +44,10 @@ def test_quickstart_writes_programs_that_inspect_cleanly(quickstart):
     assert inspect.returncode == 0 and "verify: ok" in inspect.stdout
 
 
-def _readme_session(command: str) -> list[str]:
-    """The lines README.md shows after `$ COMMAND`, up to the next command or the block's end."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+def _guide_session(command: str) -> list[str]:
+    """The lines docs/guides/inspect.md shows after `$ COMMAND`, up to the next command or
+    the block's end."""
+    lines = (ROOT / "docs" / "guides" / "inspect.md").read_text().splitlines()
     start = lines.index(f"$ {command}") + 1
     shown = []
     for line in lines[start:]:
@@ -56,7 +57,7 @@ def _readme_session(command: str) -> list[str]:
     return shown
 
 
-def test_readme_inspect_session_matches_the_cli(quickstart):
+def test_the_guides_inspect_session_matches_the_cli(quickstart):
     out, _ = quickstart
     main = fluidps.Program.parse_from_string((out / "main.pb").read_bytes())
     block = main.global_block()
@@ -64,20 +65,20 @@ def test_readme_inspect_session_matches_the_cli(quickstart):
         f"program: 1 block, {len(block.ops)} ops, {len(block.vars)} variables, "
         f"{len(main.all_parameters())} parameters"
     )
-    shown = _readme_session("fluidps inspect quickstart/main.pb --check")
+    shown = _guide_session("fluidps inspect quickstart/main.pb --check")
     assert shown[0] == header
     result = fluidps_cli("inspect", str(out / "main.pb"), "--check")
     assert result.returncode == 0, result.stderr
     printed = result.stdout.splitlines()
     assert printed[0] == header
-    # Every line the README shows (its "..." elisions aside) is printed, up to column widths.
+    # Every line the guide shows (its "..." elisions aside) is printed, up to column widths.
     printed_words = [line.split() for line in printed]
     for line in shown:
         if line.strip() and line.strip() != "...":
             assert line.split() in printed_words, line
 
 
-def test_readme_dot_command_writes_the_graph(quickstart, tmp_path):
+def test_the_guides_dot_command_writes_the_graph(quickstart, tmp_path):
     out, _ = quickstart
     env = {**os.environ, "PATH": str(tmp_path / "empty-bin")}  # no Graphviz: the .dot alone
     dot_path = tmp_path / "main.dot"

@@ -55,3 +55,29 @@ def test_inspect_text_shows_sub_block_references():
     text = program_to_text(program)
     assert "block 1 (parent: 0): 0 variables, 0 ops" in text
     assert "sub_block=block 1" in text and "blocks=blocks [1]" in text
+
+
+def test_a_pservers_optimize_blocks_are_drawn_each_with_its_own_variables():
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = fluidps.layers.data("x", [8])
+        loss = fluidps.layers.mean(fluidps.layers.fc(x, 4))
+        fluidps.optimizer.Adam(0.01).minimize(loss)
+    t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8))
+    t.transpile(0, main, "127.0.0.1:6174", trainers=2, startup_program=startup)
+    pserver, _ = t.get_pserver_programs("127.0.0.1:6174")
+    text = to_dot(pserver)
+    assert "rankdir=LR" in text  # blocks side by side read as rows
+    clusters = text.split("  subgraph cluster_")[1:]
+    drawn = {int(c.split(" ", 1)[0]): c.split("\n  }", 1)[0] for c in clusters}
+    # A parameter only its optimize block's adam uses is drawn in that block, declared in block 0.
+    graph = to_networkx(pserver)
+    adam = next(n for n, d in graph.nodes(data=True) if d.get("type") == "adam")
+    param = next(src for src, _, slot in graph.in_edges(adam, data="slot") if slot == "Param")
+    (user,) = {graph.nodes[n]["block"] for n in (*graph.successors(param), *graph.predecessors(param))}
+    assert user > 0 and param.startswith("var:0:")
+    assert f'"{param}"' in drawn[user] and f'"{param}"' not in drawn[0]
+    # A merged gradient, which listen_and_serv and its optimize block both read, stays in block 0.
+    merged = f"var:0:{pserver.global_block().ops[0].input('X')[0]}"
+    assert f'"{merged}"' in drawn[0]
+    assert "rankdir=TB" in to_dot(main)
