@@ -185,7 +185,9 @@ def _apply(block: Block, page: Page, body: str, where: str) -> None:
     if key == "skip":
         reason = rest.strip().removeprefix(":").strip()
         if not reason:
-            raise DocsBlockError(f"{where}: 'docs-test: skip' needs a reason: 'docs-test: skip: why it is not run'")
+            raise DocsBlockError(
+                f"{where}: 'docs-test: skip' needs a reason: 'docs-test: skip: why it is not run'"
+            )
         block.skip = reason
     elif key == "replace":
         words = shlex.split(rest)
