@@ -16,7 +16,8 @@ square read X. floor is piecewise constant: it passes no gradient.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -113,16 +114,18 @@ class Rules(NamedTuple):
     grad_reads: str | None  # the forward slot the gradient rule reads: "Out" or "X"
 
 
-ACTIVATIONS: dict[str, Rules] = {
-    "relu": Rules(relu_element, relu_grad_element, "Out"),
-    "sigmoid": Rules(sigmoid_element, sigmoid_grad_element, "Out"),
-    "tanh": Rules(tanh_element, tanh_grad_element, "Out"),
-    "exp": Rules(exp_element, exp_grad_element, "Out"),
-    "sqrt": Rules(sqrt_element, sqrt_grad_element, "Out"),
-    "log": Rules(log_element, log_grad_element, "X"),
-    "square": Rules(square_element, square_grad_element, "X"),
-    "floor": Rules(floor_element, None, None),
-}
+ACTIVATIONS: Mapping[str, Rules] = MappingProxyType(
+    {
+        "relu": Rules(relu_element, relu_grad_element, "Out"),
+        "sigmoid": Rules(sigmoid_element, sigmoid_grad_element, "Out"),
+        "tanh": Rules(tanh_element, tanh_grad_element, "Out"),
+        "exp": Rules(exp_element, exp_grad_element, "Out"),
+        "sqrt": Rules(sqrt_element, sqrt_grad_element, "Out"),
+        "log": Rules(log_element, log_grad_element, "X"),
+        "square": Rules(square_element, square_grad_element, "X"),
+        "floor": Rules(floor_element, None, None),
+    }
+)
 _WITH_GRAD = [t for t, rules in ACTIVATIONS.items() if rules.grad is not None]
 
 # -- the definitions ---------------------------------------------------------------------

@@ -40,6 +40,8 @@ class CheckpointSpec:
 
 @dataclass(frozen=True)
 class ServeSpec:
+    """What one listen_and_serv op asks of its pserver (ServeSpec.of reads and checks it)."""
+
     endpoint: str
     pserver_id: int
     mode: str  # "sync", "async" or "ssp"
@@ -113,6 +115,8 @@ class ServeSpec:
 
 
 class _Problems:
+    """Raises the ProgramError of a pserver's attribute that fails a check."""
+
     def __init__(self, pserver: str):
         self.pserver = pserver
 
