@@ -41,7 +41,13 @@ from fluidps.ops import check, verify
 from fluidps.optimizer.clip import GradientClipByGlobalNorm
 from fluidps.optimizer.regularizer import L2Decay
 from fluidps.param_attr import ParamAttr
-from fluidps.transpiler import DistributedPlan, DistributeTranspiler, DistributeTranspilerConfig
+from fluidps.transpiler import (
+    DistributedPlan,
+    DistributeTranspiler,
+    DistributeTranspilerConfig,
+    RolePrograms,
+    transpile_for_role,
+)
 
 if TYPE_CHECKING:
     from fluidps.executor.launch.kubernetes import KubernetesCluster, Resources
@@ -94,6 +100,7 @@ __all__ = [
     "RemoteExecutor",
     "Resources",
     "RoleInfo",
+    "RolePrograms",
     "RuntimeConfig",
     "Scope",
     "SerializationError",
@@ -112,5 +119,6 @@ __all__ = [
     "optimizer",
     "program_guard",
     "role_from_env",
+    "transpile_for_role",
     "verify",
 ]

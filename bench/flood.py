@@ -206,17 +206,22 @@ class Flood:
 
 def _start_pserver(
     tmp: Path, secret: JobSecret, main: fluidps.Program, startup: fluidps.Program
-) -> tuple[subprocess.Popen, str, fluidps.DistributeTranspiler]:
+) -> tuple[subprocess.Popen, str, fluidps.DistributedPlan]:
+    """The pserver of a job of one trainer, as a `fluidps serve` process; (process, endpoint, plan)."""
     endpoint = f"127.0.0.1:{pick_free_ports('127.0.0.1', 1)[0]}"
-    t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8))
-    t.transpile(0, main, endpoint, trainers=1, startup_program=startup)
-    ps_main, ps_startup = t.get_pserver_programs(endpoint)
-    (tmp / "ps.pb").write_bytes(ps_main.serialize_to_string())
-    (tmp / "ps_startup.pb").write_bytes(ps_startup.serialize_to_string())
+    role = fluidps.RoleInfo(
+        "PSERVER", 0, trainers=1, pserver_endpoints=(endpoint,), current_endpoint=endpoint
+    )
+    pserver = fluidps.transpile_for_role(
+        role, main, startup, fluidps.DistributeTranspilerConfig(min_block_size=8)
+    )
+    command = [sys.executable, "-m", "fluidps", "serve", "--role", "pserver"]
+    for option, program in (("--program", pserver.main), ("--startup", pserver.startup)):
+        path = tmp / f"pserver.{option[2:]}.pb"  # (the serve process reads its programs from files)
+        path.write_bytes(program.serialize_to_string())
+        command += [option, str(path)]
     log = tmp / "pserver.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", FLUIDPS_JOB_SECRET=secret.hex(), FLUIDPS_PEER_TIMEOUT="1")
-    command = [sys.executable, "-m", "fluidps", "serve", "--role", "pserver"]
-    command += ["--program", str(tmp / "ps.pb"), "--startup", str(tmp / "ps_startup.pb")]
     with open(log, "wb") as out:
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -227,7 +232,7 @@ def _start_pserver(
             stop_group(process)
             raise SystemExit(f"the pserver did not start:\n{log.read_text(errors='replace')}")
         time.sleep(0.05)
-    return process, endpoint, t
+    return process, endpoint, pserver.plan
 
 
 def flood_pserver(peers: int, connections: int, steps: int, seed: int) -> dict:
@@ -238,14 +243,14 @@ def flood_pserver(peers: int, connections: int, steps: int, seed: int) -> dict:
     local.run(startup)
     want = [float(local.run(main, feed=b, fetch_list=[loss])[0]) for b in data]
     with tempfile.TemporaryDirectory(prefix="fluidps-flood-") as tmp:
-        process, endpoint, t = _start_pserver(Path(tmp), secret, main, startup)
+        process, endpoint, plan = _start_pserver(Path(tmp), secret, main, startup)
         context = zmq.Context()
         trainer = None
         try:
             settings = RpcSettings(peer_timeout=20.0, secret=secret)
             trainer = fluidps.Executor(runtime_config=RuntimeConfig(rpc=settings))
-            trainer.run(t.get_trainer_startup_program())
-            program = t.get_trainer_program()
+            trainer.run(plan.trainer_startup)  # (trainer 0's programs: the plan's, not copies)
+            program = plan.trainer_program
             half = steps // 2
             got = [float(trainer.run(program, feed=b, fetch_list=[loss.name])[0]) for b in data[:half]]
             time.sleep(1.0)

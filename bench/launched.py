@@ -60,25 +60,17 @@ def main() -> None:
     w = make(args.workload, args.batch, args.steps, args.vocab)
     main_program, startup, loss = w.build()
     config = fluidps.DistributeTranspilerConfig(mode=role.mode, communicator=args.communicator)
-    t = fluidps.DistributeTranspiler(config)
-    t.transpile(
-        role.trainer_id,
-        main_program,
-        pservers=",".join(role.pserver_endpoints),
-        trainers=role.trainers,
-        startup_program=startup,
-    )
+    mine = fluidps.transpile_for_role(role, main_program, startup, config)
     exe = fluidps.Executor()
     if role.is_pserver:
-        pserver, pserver_startup = t.get_pserver_programs(role.current_endpoint)
-        exe.run(pserver_startup)
-        exe.run(pserver)  # serves until every trainer is done
+        exe.run(mine.startup)
+        exe.run(mine.main)  # serves until every trainer is done
         return
-    program = t.get_trainer_program()
+    program = mine.main
     feeds = [rows_of(b, role.trainer_id, role.trainers) for b in w.batches]
     rates, last = [], None
     try:
-        exe.run(t.get_trainer_startup_program())
+        exe.run(mine.startup)
         # run_batches: each step is told the next batch (its table rows come with this step's values)
         for _ in exe.run_batches(program, (feeds[i % len(feeds)] for i in range(args.warmup)), [loss]):
             pass

@@ -58,31 +58,23 @@ def shard(batch: np.ndarray, trainer_id: int, batch_size: int) -> np.ndarray:
     return batch[trainer_id * batch_size : (trainer_id + 1) * batch_size]
 
 
-def transpile(role: fluidps.RoleInfo, main, startup, staleness: int):
+def transpile(role: fluidps.RoleInfo, main, startup, staleness: int) -> fluidps.RolePrograms:
+    """This process's programs of the job (its mode is the launcher's --mode)."""
     config = fluidps.DistributeTranspilerConfig(
         mode=role.mode, staleness=staleness if role.mode == "ssp" else 0
     )
-    t = fluidps.DistributeTranspiler(config)
-    t.transpile(
-        role.trainer_id,
-        main,
-        pservers=",".join(role.pserver_endpoints),
-        trainers=role.trainers,
-        startup_program=startup,
-    )
-    return t
+    return fluidps.transpile_for_role(role, main, startup, config)
 
 
-def run_pserver(role: fluidps.RoleInfo, t, out: Path | None) -> None:
-    main, startup = t.get_pserver_programs(role.current_endpoint)
+def run_pserver(role: fluidps.RoleInfo, mine: fluidps.RolePrograms, out: Path | None) -> None:
     exe = fluidps.Executor()
-    exe.run(startup)  # initialize the parameter slices this pserver owns
+    exe.run(mine.startup)  # initialize the parameter slices this pserver owns
     print(f"serving on {role.current_endpoint}", flush=True)
-    exe.run(main)  # listen_and_serv: returns once every trainer has finished
+    exe.run(mine.main)  # listen_and_serv: returns once every trainer has finished
     print("every trainer has finished", flush=True)
     if out is not None:
         stats = exe.runtime.pserver_loops[0].stats()  # clocks, SSP grants, sparse rows received
-        held = [s.name for s in t.plan.slices if s.endpoint == role.current_endpoint]
+        held = [s.name for s in mine.plan.slices_on(role.current_endpoint)]
         (out / f"pserver.{role.pserver_index}.json").write_text(json.dumps(stats | {"slices": held}))
 
 
@@ -107,20 +99,17 @@ def add_reader(model, dataset: str, args) -> None:
         )
 
 
-def run_dataset_trainer(role: fluidps.RoleInfo, t, model, args) -> None:
+def run_dataset_trainer(role: fluidps.RoleInfo, mine: fluidps.RolePrograms, model, args) -> None:
     """Train on whatever tasks the coordinator hands out, until every pass is done."""
     _, _, test_program, loss, accuracy = model
     _, x_test, _, y_test = load_data(args.seed)
-    program = t.get_trainer_program()
     exe = fluidps.Executor()
     steps = 0
     try:
-        exe.run(
-            t.get_trainer_startup_program()
-        )  # pull the parameters (a restarted trainer: the current ones)
+        exe.run(mine.startup)  # pull the parameters (a restarted trainer: the current ones)
         while True:
             try:
-                (value,) = exe.run(program, fetch_list=[loss])
+                (value,) = exe.run(mine.main, fetch_list=[loss])
             except fluidps.EOFException:
                 break
             steps += 1
@@ -128,7 +117,7 @@ def run_dataset_trainer(role: fluidps.RoleInfo, t, model, args) -> None:
                 print(f"step {steps}: loss {float(value):.4f}", flush=True)
         result = {"trainer_id": role.trainer_id, "mode": role.mode, "steps": steps}
         if role.trainer_id == 0:
-            exe.run(t.get_trainer_startup_program())  # the final parameters, every trainer's updates in
+            exe.run(mine.startup)  # the final parameters, every trainer's updates in
             (acc,) = exe.run(test_program, feed={"image": x_test, "label": y_test}, fetch_list=[accuracy])
             result["test_accuracy"] = float(acc)
             print(f"test accuracy {float(acc):.4f} after {steps} steps of this trainer", flush=True)
@@ -139,17 +128,17 @@ def run_dataset_trainer(role: fluidps.RoleInfo, t, model, args) -> None:
         (args.out / f"trainer.{role.trainer_id}.json").write_text(json.dumps(result))
 
 
-def run_trainer(role: fluidps.RoleInfo, t, model, args) -> None:
+def run_trainer(role: fluidps.RoleInfo, mine: fluidps.RolePrograms, model, args) -> None:
     _, _, test_program, loss, accuracy = model
     x_train, x_test, y_train, y_test = load_data(args.seed)
     params = [p.name for p in model[0].all_parameters()]
-    program = t.get_trainer_program()
+    program = mine.main
     slow = args.slow if role.trainer_id == role.trainers - 1 else 1.0
 
     exe = fluidps.Executor()
     losses = []
     try:
-        exe.run(t.get_trainer_startup_program())  # pull the initial parameters
+        exe.run(mine.startup)  # pull the initial parameters
         initial = {name: exe.scope[name].copy() for name in params}
         for epoch in range(args.epochs):
             epoch_losses = []
@@ -167,7 +156,7 @@ def run_trainer(role: fluidps.RoleInfo, t, model, args) -> None:
         result = {"trainer_id": role.trainer_id, "mode": role.mode, "losses": losses}
         if role.trainer_id == 0:
             if role.mode != "sync":  # the current parameters: async steps ran on the last ones pulled
-                exe.run(t.get_trainer_startup_program())
+                exe.run(mine.startup)
             (acc,) = exe.run(test_program, feed={"image": x_test, "label": y_test}, fetch_list=[accuracy])
             result["test_accuracy"] = float(acc)
             print(f"test accuracy {float(acc):.4f} after {len(losses)} steps", flush=True)
@@ -213,13 +202,13 @@ def main() -> None:
     model = build(learning_rate=args.lr, seed=args.seed + 1)
     if role.dataset:
         add_reader(model, role.dataset, args)
-    t = transpile(role, model[0], model[1], args.staleness)
+    mine = transpile(role, model[0], model[1], args.staleness)
     if role.is_pserver:
-        run_pserver(role, t, args.out)
+        run_pserver(role, mine, args.out)
     elif role.dataset:
-        run_dataset_trainer(role, t, model, args)
+        run_dataset_trainer(role, mine, model, args)
     else:
-        run_trainer(role, t, model, args)
+        run_trainer(role, mine, model, args)
 
 
 if __name__ == "__main__":

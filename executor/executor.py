@@ -5,8 +5,10 @@
 each call only moves values in, calls the runners in order, and moves values
 out. Programs with communication ops (a trainer's send / recv, a pserver's
 listen_and_serv) or a dataset reader run with the executor's Runtime, its part
-in a job, made the first time such a program is prepared: a local program never
-loads the distributed runtime (nor ZeroMQ).
+in a job, made the first time such a program is prepared. A program with none of
+them never makes one, so none of a Runtime's pieces (a trainer's client, pserver
+loops, dataset readers) is loaded, nor ZeroMQ; the runtime module itself is (it
+holds RuntimeConfig, which every Executor takes).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 
 from fluidps.errors import EOFException, ExecutionError, FeedError, NoDataYet, ProgramError
 from fluidps.executor.block_runner import BlockRunner
+from fluidps.executor.runtime import Runtime, RuntimeConfig
 from fluidps.executor.scope import Scope, Value
 from fluidps.ir.program import Program
 from fluidps.ir.types import EMPTY_VAR_NAME, FEED_VAR_NAME, FETCH_VAR_NAME, TENSOR_KINDS, to_numpy_dtype
@@ -29,7 +32,6 @@ from fluidps.ops.selected_rows import SelectedRows
 
 if TYPE_CHECKING:
     from fluidps.executor.compiler import Compiler
-    from fluidps.executor.runtime import Runtime, RuntimeConfig
 
 FetchTarget = Variable | str
 # The feed of the step after this one: given, or a function giving it when asked (None: not known)
@@ -286,8 +288,6 @@ class Executor:
     def runtime(self) -> Runtime:
         """This executor's part in a distributed job (made on first use)."""
         if self._runtime is None:
-            from fluidps.executor.runtime import Runtime  # local programs never load it
-
             config = self._runtime_config
             if config is None:
                 from fluidps.executor.env import runtime_config_from_env

@@ -1,5 +1,13 @@
 """Unary activations: relu, sigmoid, tanh, exp, log, sqrt, square (and floor).
 
+Each activation is written once, in the table ACTIVATIONS: its forward rule and its
+gradient rule, numba functions of one element (as tinygrad and JAX keep one rule per
+primitive), and which slot the gradient rule reads besides Out@GRAD. Everything else
+is made from the table: the op definitions and grad makers, the array kernels (one
+loop per rule, generated below), the element forms that fused compiled loops call
+(the same rules, so both ways of running give the same bits), and the lowerings of
+a single op.
+
 Where the derivative is a function of the output (relu, sigmoid, tanh, exp,
 sqrt) the grad op reads Out, as in Fluid, so X can be freed early; log and
 square read X. floor is piecewise constant: it passes no gradient.
@@ -7,7 +15,9 @@ square read X. floor is piecewise constant: it passes no gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,33 +30,7 @@ from fluidps.ops.kernel import Env, KernelOp, Runner, contiguous
 from fluidps.ops.lowering import ElementForm, LoweringOp
 from fluidps.ops.registry import OpFamily
 
-family = OpFamily("activation")
-
-_ATTRS = backend_hints("use_mkldnn", "use_cudnn", "use_onednn", "mkldnn_data_type", "onednn_data_type")
-_FROM_OUT = GradSpec(outputs=("Out",), like=(("X", "Out"),))
-_FROM_X = GradSpec(inputs=("X",))
-_GRADS = {
-    "relu": _FROM_OUT,
-    "sigmoid": _FROM_OUT,
-    "tanh": _FROM_OUT,
-    "exp": _FROM_OUT,
-    "sqrt": _FROM_OUT,
-    "log": _FROM_X,
-    "square": _FROM_X,
-    "floor": None,
-}
-
-
-def _infer(ctx: InferContext) -> None:
-    ctx.share("Out", ctx.input("X"))
-
-
-for _type, _grad in _GRADS.items():
-    family.define(_type, inputs=[In("X")], outputs=[Out("Out")], attrs=_ATTRS, grad=_grad, infer=_infer)
-
-
-# -- kernels: one element's function per op (what fused compiled loops call too, so both
-# give the same bits), mapped over contiguous arrays; results stored in the input's dtype.
+# -- the rules: one element's forward value, and its gradient from (Out or X, Out@GRAD) --
 
 
 @njit(cache=True)
@@ -124,166 +108,95 @@ def floor_element(x):
     return np.floor(x)
 
 
-# (numba compiles a kernel per element function it calls: one loop each, written out)
+class Rules(NamedTuple):
+    forward: Callable[..., Any]  # x -> out
+    grad: Callable[..., Any] | None  # (grad_reads's element, dout) -> dx; None: no gradient
+    grad_reads: str | None  # the forward slot the gradient rule reads: "Out" or "X"
 
 
-@njit(cache=True)
-def _relu(x):
+ACTIVATIONS: Mapping[str, Rules] = MappingProxyType(
+    {
+        "relu": Rules(relu_element, relu_grad_element, "Out"),
+        "sigmoid": Rules(sigmoid_element, sigmoid_grad_element, "Out"),
+        "tanh": Rules(tanh_element, tanh_grad_element, "Out"),
+        "exp": Rules(exp_element, exp_grad_element, "Out"),
+        "sqrt": Rules(sqrt_element, sqrt_grad_element, "Out"),
+        "log": Rules(log_element, log_grad_element, "X"),
+        "square": Rules(square_element, square_grad_element, "X"),
+        "floor": Rules(floor_element, None, None),
+    }
+)
+_WITH_GRAD = [t for t, rules in ACTIVATIONS.items() if rules.grad is not None]
+
+# -- the definitions ---------------------------------------------------------------------
+
+family = OpFamily("activation")
+
+_ATTRS = backend_hints("use_mkldnn", "use_cudnn", "use_onednn", "mkldnn_data_type", "onednn_data_type")
+_GRAD_SPECS = {
+    "Out": GradSpec(outputs=("Out",), like=(("X", "Out"),)),  # X@GRAD has Out's shape
+    "X": GradSpec(inputs=("X",)),
+}
+
+
+def _infer(ctx: InferContext) -> None:
+    ctx.share("Out", ctx.input("X"))
+
+
+for _type, _rules in ACTIVATIONS.items():
+    _grad = _GRAD_SPECS[_rules.grad_reads] if _rules.grad_reads is not None else None
+    family.define(_type, inputs=[In("X")], outputs=[Out("Out")], attrs=_ATTRS, grad=_grad, infer=_infer)
+
+# -- the array kernels: each rule mapped over contiguous arrays, results in the input's dtype.
+# numba compiles a loop per element function it calls, so each rule gets a kernel of its own:
+# the code of one of these two loops, given globals in which `rule` is that rule (numba reads
+# a global as a constant and compiles the call to it). A kernel is a plain function with its
+# own name, and the file and line of its loop, so numba caches it (cache=True) under that
+# name; a closure over the rule would not do: numba keys a closure's cache by its pickled
+# cells, and a pickled dispatcher differs in every process.
+
+
+def _forward_loop(x):
     out = np.empty_like(x)
     xs, os = x.reshape(-1), out.reshape(-1)
     for i in range(xs.size):
-        os[i] = relu_element(xs[i])
+        os[i] = rule(xs[i])  # noqa: F821 (a global of each generated kernel: see _kernel)
     return out
 
 
-@njit(cache=True)
-def _relu_grad(out, dout):
+def _grad_loop(source, dout):
     dx = np.empty_like(dout)
-    o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
-    for i in range(o.size):
-        r[i] = relu_grad_element(o[i], d[i])
+    s, d, r = source.reshape(-1), dout.reshape(-1), dx.reshape(-1)
+    for i in range(s.size):
+        r[i] = rule(s[i], d[i])  # noqa: F821 (a global of each generated kernel: see _kernel)
     return dx
 
 
-@njit(cache=True)
-def _sigmoid(x):
-    out = np.empty_like(x)
-    xs, os = x.reshape(-1), out.reshape(-1)
-    for i in range(xs.size):
-        os[i] = sigmoid_element(xs[i])
-    return out
+def _kernel(loop: Callable[..., Any], rule: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`loop`'s code as module-level function `name` calling `rule`, numba-compiled and cached."""
+    fn = types.FunctionType(loop.__code__, {"__name__": __name__, "np": np, "rule": rule}, name)
+    fn.__qualname__ = name  # (numba's cache file is named by it)
+    return njit(cache=True)(fn)
 
 
-@njit(cache=True)
-def _sigmoid_grad(out, dout):
-    dx = np.empty_like(dout)
-    o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
-    for i in range(o.size):
-        r[i] = sigmoid_grad_element(o[i], d[i])
-    return dx
-
-
-@njit(cache=True)
-def _tanh(x):
-    out = np.empty_like(x)
-    xs, os = x.reshape(-1), out.reshape(-1)
-    for i in range(xs.size):
-        os[i] = tanh_element(xs[i])
-    return out
-
-
-@njit(cache=True)
-def _tanh_grad(out, dout):
-    dx = np.empty_like(dout)
-    o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
-    for i in range(o.size):
-        r[i] = tanh_grad_element(o[i], d[i])
-    return dx
-
-
-@njit(cache=True)
-def _exp(x):
-    out = np.empty_like(x)
-    xs, os = x.reshape(-1), out.reshape(-1)
-    for i in range(xs.size):
-        os[i] = exp_element(xs[i])
-    return out
-
-
-@njit(cache=True)
-def _exp_grad(out, dout):
-    dx = np.empty_like(dout)
-    o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
-    for i in range(o.size):
-        r[i] = exp_grad_element(o[i], d[i])
-    return dx
-
-
-@njit(cache=True)
-def _sqrt(x):
-    out = np.empty_like(x)
-    xs, os = x.reshape(-1), out.reshape(-1)
-    for i in range(xs.size):
-        os[i] = sqrt_element(xs[i])
-    return out
-
-
-@njit(cache=True)
-def _sqrt_grad(out, dout):
-    dx = np.empty_like(dout)
-    o, d, r = out.reshape(-1), dout.reshape(-1), dx.reshape(-1)
-    for i in range(o.size):
-        r[i] = sqrt_grad_element(o[i], d[i])
-    return dx
-
-
-@njit(cache=True)
-def _log(x):
-    out = np.empty_like(x)
-    xs, os = x.reshape(-1), out.reshape(-1)
-    for i in range(xs.size):
-        os[i] = log_element(xs[i])
-    return out
-
-
-@njit(cache=True)
-def _log_grad(x, dout):
-    dx = np.empty_like(dout)
-    xs, d, r = x.reshape(-1), dout.reshape(-1), dx.reshape(-1)
-    for i in range(xs.size):
-        r[i] = log_grad_element(xs[i], d[i])
-    return dx
-
-
-@njit(cache=True)
-def _square(x):
-    out = np.empty_like(x)
-    xs, os = x.reshape(-1), out.reshape(-1)
-    for i in range(xs.size):
-        os[i] = square_element(xs[i])
-    return out
-
-
-@njit(cache=True)
-def _square_grad(x, dout):
-    dx = np.empty_like(dout)
-    xs, d, r = x.reshape(-1), dout.reshape(-1), dx.reshape(-1)
-    for i in range(xs.size):
-        r[i] = square_grad_element(xs[i], d[i])
-    return dx
-
-
-@njit(cache=True)
-def _floor(x):
-    out = np.empty_like(x)
-    xs, os = x.reshape(-1), out.reshape(-1)
-    for i in range(xs.size):
-        os[i] = floor_element(xs[i])
-    return out
-
-
-class _Activation(NamedTuple):
-    forward: Callable[..., Any]  # array kernels
+class _Kernels(NamedTuple):
+    forward: Callable[..., Any]
     grad: Callable[..., Any] | None
-    grad_reads: str | None  # the slot the grad reads besides Out@GRAD
-    element: Callable[..., Any]  # their element functions
-    grad_element: Callable[..., Any] | None
 
 
 _KERNELS = {
-    "relu": _Activation(_relu, _relu_grad, "Out", relu_element, relu_grad_element),
-    "sigmoid": _Activation(_sigmoid, _sigmoid_grad, "Out", sigmoid_element, sigmoid_grad_element),
-    "tanh": _Activation(_tanh, _tanh_grad, "Out", tanh_element, tanh_grad_element),
-    "exp": _Activation(_exp, _exp_grad, "Out", exp_element, exp_grad_element),
-    "sqrt": _Activation(_sqrt, _sqrt_grad, "Out", sqrt_element, sqrt_grad_element),
-    "log": _Activation(_log, _log_grad, "X", log_element, log_grad_element),
-    "square": _Activation(_square, _square_grad, "X", square_element, square_grad_element),
-    "floor": _Activation(_floor, None, None, floor_element, None),
+    t: _Kernels(
+        _kernel(_forward_loop, rules.forward, f"_{t}"),
+        _kernel(_grad_loop, rules.grad, f"_{t}_grad") if rules.grad is not None else None,
+    )
+    for t, rules in ACTIVATIONS.items()
 }
-_WITH_GRAD = [t for t, kernels in _KERNELS.items() if kernels.grad is not None]
+# Module attributes under their own names: compiled segments import the kernels they call by
+# module and name (fluidps.executor.compiler.codegen), as they import any numba helper.
+globals().update({k.__name__: k for kernels in _KERNELS.values() for k in kernels if k is not None})
 
 
-@family.kernel(*_KERNELS)
+@family.kernel(*ACTIVATIONS)
 def _forward_kernel(op: KernelOp) -> Runner:
     fn = _KERNELS[op.type].forward
     x_name, out_name = op.input("X"), op.output("Out")
@@ -296,8 +209,8 @@ def _forward_kernel(op: KernelOp) -> Runner:
 
 @family.kernel(*(t + "_grad" for t in _WITH_GRAD))
 def _grad_kernel(op: KernelOp) -> Runner:
-    kernels = _KERNELS[op.type[: -len("_grad")]]
-    fn, source = kernels.grad, kernels.grad_reads
+    forward = op.type[: -len("_grad")]
+    fn, source = _KERNELS[forward].grad, ACTIVATIONS[forward].grad_reads
     src_name, dout_name, dx_name = op.input(source), op.input("Out@GRAD"), op.output("X@GRAD")
 
     def run(env: Env) -> None:
@@ -306,16 +219,17 @@ def _grad_kernel(op: KernelOp) -> Runner:
     return run
 
 
-for _type, _kernels in _KERNELS.items():
-    family.elementwise(_type, ElementForm(_kernels.element, ("X",), ("Out",)))
-    if _kernels.grad_element is not None:
+# -- compiled segments: fused runs call the rules; a single op calls its array kernel ----------
+
+for _type, _rules in ACTIVATIONS.items():
+    family.elementwise(_type, ElementForm(_rules.forward, ("X",), ("Out",)))
+    if _rules.grad is not None:
         family.elementwise(
-            _type + "_grad",
-            ElementForm(_kernels.grad_element, (_kernels.grad_reads, "Out@GRAD"), ("X@GRAD",)),
+            _type + "_grad", ElementForm(_rules.grad, (_rules.grad_reads, "Out@GRAD"), ("X@GRAD",))
         )
 
 
-@family.lowering(*_KERNELS)
+@family.lowering(*ACTIVATIONS)
 def _forward_lowering(op: LoweringOp) -> None:
     op.new_arrays()
     op.require_dense("X", "Out")
@@ -325,7 +239,7 @@ def _forward_lowering(op: LoweringOp) -> None:
 @family.lowering(*(t + "_grad" for t in _WITH_GRAD))
 def _grad_lowering(op: LoweringOp) -> None:
     op.new_arrays()
-    kernels = _KERNELS[op.type[: -len("_grad")]]
-    fn, source = kernels.grad, kernels.grad_reads
+    forward = op.type[: -len("_grad")]
+    fn, source = _KERNELS[forward].grad, ACTIVATIONS[forward].grad_reads
     op.require_dense(source, "Out@GRAD", "X@GRAD")
     op.emit(f"{op.output('X@GRAD')} = {op.call(fn, op.input(source), op.input('Out@GRAD'))}")

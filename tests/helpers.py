@@ -6,6 +6,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import fluidps
@@ -17,6 +20,22 @@ from fluidps.executor.launch.processes import stop_group  # noqa: F401 (re-expor
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PADDLE = FIXTURES / "paddle"
+
+
+def python_output(code: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 600) -> str:
+    """What `code` prints, run by a fresh interpreter with `args` as its sys.argv[1:] (from
+    outside the checkout, so that its folders do not shadow modules); the test fails with
+    its stderr when it exits with an error."""
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).resolve().parents[1].parent,
+        env=None if env is None else dict(env),
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def paddle_fixture(name: str) -> Path:

@@ -79,11 +79,13 @@ class PserverThreads:
         server = self.server(endpoint)
         host = self.executors[endpoint].runtime.pserver
         deadline = time.monotonic() + timeout
-        for grad in server.grad_block:
+        for grad in server.spec.grad_blocks:
             while len(host.queue(grad)) and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert len(host.queue(grad)) == 0, f"{endpoint} did not apply its queued {grad} in {timeout} s"
-        for lock in server.locks.values():  # a worker that popped a gradient holds its lock while applying it
+        for (
+            lock
+        ) in server.blocks.locks.values():  # a worker that popped a gradient holds its lock while applying it
             assert lock.acquire(timeout=timeout)
             lock.release()
 

@@ -1,5 +1,5 @@
 """Passes from Program to Program: the distribute transpiler (trainer and pserver programs
-from one training program). Autodiff (fluidps.backward) extends the program being built
+from one training program), and transpile_for_role (one process's programs of a job). Autodiff (fluidps.backward) extends the program being built
 instead, as the layers do, so it lives beside them.
 
 May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops
@@ -7,11 +7,15 @@ May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops
 
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
+from fluidps.transpiler.for_role import ProcessRole, RolePrograms, transpile_for_role
 from fluidps.transpiler.plan import DistributedPlan, Slice
 
 __all__ = [
     "DistributeTranspiler",
     "DistributeTranspilerConfig",
     "DistributedPlan",
+    "ProcessRole",
+    "RolePrograms",
     "Slice",
+    "transpile_for_role",
 ]

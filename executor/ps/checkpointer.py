@@ -1,8 +1,9 @@
 """A pserver's checkpoints: where and how often (listen_and_serv's attributes, which a
 job's CheckpointOverrides replace), what they hold, and restoring them.
 
-The pserver hands in its values (copied under their locks) and its step count; the
-files, checksums and resharding are fluidps.io.checkpoints'.
+The pserver hands in its variables, the locks that keep an optimize thread off them
+while they are copied, and its step count; the files, checksums and resharding are
+fluidps.io.checkpoints'.
 
 With checkpoint_base_every n > 1, of every n scheduled checkpoints the first is a base
 and the others are deltas of it: hashed tables save only the rows updated since the
@@ -12,16 +13,20 @@ and the first after a restore, is a base.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fluidps.errors import CheckpointError, ExecutionError
 from fluidps.io import checkpoints as ckpt
 from fluidps.ops.sparse_table import SparseTable, TableSnapshot
+
+if TYPE_CHECKING:
+    from fluidps.executor.ps.serve_spec import CheckpointSpec
 
 
 @dataclass(frozen=True)
@@ -37,32 +42,30 @@ class CheckpointOverrides:
 
 
 class Checkpointer:
-    def __init__(self, op: Any, log: Callable[[str], None], overrides: CheckpointOverrides):
-        def setting(value: Any, attr: str) -> Any:
-            return op.attr(attr) if value is None else value
+    def __init__(
+        self,
+        spec: CheckpointSpec,
+        pserver_id: int,
+        log: Callable[[str], None],
+        overrides: CheckpointOverrides,
+    ):
+        def setting(value: Any, programs: Any) -> Any:
+            return programs if value is None else value
 
         self.log = log
-        self.directory = overrides.directory or op.attr("checkpoint_dir")
-        self.every_steps = int(setting(overrides.every_steps, "checkpoint_every_steps"))
-        self.every_seconds = float(setting(overrides.every_seconds, "checkpoint_every_seconds"))
-        keep = int(setting(overrides.keep, "checkpoint_keep"))
-        self.base_every = int(setting(overrides.base_every, "checkpoint_base_every"))
+        self.directory = overrides.directory or spec.directory
+        self.every_steps = int(setting(overrides.every_steps, spec.every_steps))
+        self.every_seconds = float(setting(overrides.every_seconds, spec.every_seconds))
+        keep = int(setting(overrides.keep, spec.keep))
+        self.base_every = int(setting(overrides.base_every, spec.base_every))
         if self.every_steps < 0 or self.every_seconds < 0 or keep < 1 or self.base_every < 1:
             raise CheckpointError(
                 f"checkpoint every {self.every_steps} steps / {self.every_seconds} s, keeping {keep}, a base "
                 f"every {self.base_every}: intervals must be >= 0, keep and base_every >= 1"
             )
         # Which rows of which variable of the original program each persistable here is.
-        names, origins = op.attr("checkpoint_vars"), op.attr("checkpoint_origins")
-        offsets, heights = op.attr("checkpoint_offsets"), op.attr("checkpoint_origin_rows")
-        heights = heights or [-1] * len(names)  # programs transpiled before heights were recorded
-        self.placements = {
-            n: ckpt.Placement(o, None if off < 0 else off, None if rows < 0 else rows)
-            for n, o, off, rows in zip(names, origins, offsets, heights, strict=True)
-        }
-        self.store = (
-            ckpt.CheckpointStore(self.directory, op.attr("pserver_id"), keep) if self.directory else None
-        )
+        self.placements = dict(spec.placements)
+        self.store = ckpt.CheckpointStore(self.directory, pserver_id, keep) if self.directory else None
         self.saved: list[dict[str, Any]] = []  # this run's checkpoints, for stats
         self.restored_step: int | None = None
         self._last = (0, time.monotonic())  # (step, when) of the last checkpoint
@@ -108,6 +111,28 @@ class Checkpointer:
                 arrays[f"{name}.{key}"] = array
                 placements[f"{name}.{key}"] = ckpt.Placement(ckpt.hashed_piece(origin, value.shard, key))
         return arrays, placements
+
+    def take(
+        self,
+        env: Mapping[str, Any],
+        locked: Callable[[str], contextlib.AbstractContextManager],
+        steps: int,
+        reason: str,
+        delta: bool | None = None,
+    ) -> ckpt.Checkpoint:
+        """Save a checkpoint of `env`'s persistables, each copied holding `locked(name)`;
+        `delta`: of hashed tables' changes since the last base (None: as scheduled)."""
+        since = self.delta_since(delta) or {}
+        values = {}
+        for name in self.placements:
+            with locked(name):
+                value = env[name]
+                values[name] = (
+                    value.snapshot(since.get(name))
+                    if isinstance(value, SparseTable)
+                    else np.array(value, copy=True)
+                )
+        return self.save(values, steps, reason)
 
     def save(self, values: dict[str, Any], steps: int, reason: str) -> ckpt.Checkpoint:
         if self.store is None:

@@ -22,14 +22,17 @@ Checkpoints (`checkpoint_dir`, from the program or the job's CheckpointOverrides
 every N steps or seconds, on a CHECKPOINT request, at the end, and on
 SIGTERM; at the start the newest ones are restored, resharded if the job's
 pservers changed.
+
+Beside the loop, one job each: serve_spec.py reads the op's attributes once;
+optimize_blocks.py runs its sub-blocks; pulls.py and set_check.py check what a GET,
+PREFETCH or SET may read or write; trainer_watch.py says when to stop waiting for
+trainers; sigterm.py saves before dying of SIGTERM; pserver_stats.py reports.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import threading
 import time
 from collections import deque
@@ -39,28 +42,27 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
-from fluidps.executor.ps import pserver_stats
+from fluidps.executor.ps import pserver_stats, pulls, sigterm
 from fluidps.executor.ps.checkpointer import Checkpointer
 from fluidps.executor.ps.claims import WaitingClaims
 from fluidps.executor.ps.gradients import GradientSpec, RowLog
-from fluidps.executor.ps.joined_blocks import JoinedBlocks
 from fluidps.executor.ps.membership import DONE, Claim, Membership
 from fluidps.executor.ps.message_limit import message_limit
-from fluidps.executor.ps.rows_first import RowsFirst, SplitBlock, split_block
-from fluidps.executor.ps.set_check import set_problem
-from fluidps.executor.ps.strategies import STRATEGIES
+from fluidps.executor.ps.optimize_blocks import OptimizeBlocks
+from fluidps.executor.ps.rows_first import RowsFirst, split_blocks
+from fluidps.executor.ps.serve_spec import ServeSpec
+from fluidps.executor.ps.set_check import set_problem, stored
+from fluidps.executor.ps.strategies import STRATEGIES, StrategyContext
+from fluidps.executor.ps.trainer_watch import TrainerWatch
 from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.io import checkpoints as ckpt
 from fluidps.ir.operator import Operator
-from fluidps.ir.types import DISTRIBUTED_MODES
 from fluidps.ops.selected_rows import SelectedRows
-from fluidps.ops.sparse_table import SparseTable
 
 if TYPE_CHECKING:
     from fluidps.executor.ps.host import PserverHost
 
-IDLE_TIMEOUT = 3600.0  # seconds without any message while trainers are live
 _FROM_TRAINERS = (Kind.SEND, Kind.SEND_BARRIER, Kind.FETCH_BARRIER, Kind.COMPLETE, Kind.PAUSE)
 _PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (sync: applied; ssp: in bounds)
 
@@ -68,58 +70,25 @@ _PULLS = (Kind.GET, Kind.PREFETCH)  # answered once the trainer's step allows (s
 # What a pserver remembers for its stats stays bounded however long the job runs.
 CLOCK_LOG_LIMIT = 100_000  # clock and grant events
 LOG_LIMIT = 10_000  # lines of its log
-STALL_LOG_S = 30.0  # requests waiting this long on a step: the pserver says what for
-
-
-def _yield_core() -> None:
-    """Let another runnable thread of this core run first (a no-op where there is none)."""
-    if hasattr(os, "sched_yield"):
-        os.sched_yield()
-
-
-def _pairs(values: list[str]) -> dict[str, int]:
-    out = {}
-    for item in values:
-        name, _, idx = item.rpartition(":")
-        out[name] = int(idx)
-    return out
 
 
 class ParameterServer:
     def __init__(self, op: Operator, env: dict[str, Any], host: PserverHost):
+        self.spec = spec = ServeSpec.of(op)
         self.env = env
         self.host = host
         self.settings = host.settings
+        self.name = spec.name
         program = op.block.program
-        self.endpoint = op.attr("endpoint")
-        self.pserver_id = op.attr("pserver_id")
-        self.name = f"pserver {self.pserver_id} ({self.endpoint})"
-        self.mode = DISTRIBUTED_MODES[op.attr("distributed_mode")]
-        self.fanin = op.attr("Fanin")
-        self.staleness = op.attr("staleness")
-        self.grad_block = _pairs(op.attr("grad_to_block_id"))
-        self.queue_block = _pairs(op.attr("grad_to_queue_block_id"))
-        self.blocks = {
-            i: host.runner_for(program.block(i))
-            for i in set(self.grad_block.values()) | set(self.queue_block.values())
-        }
-        self.joined = JoinedBlocks(program, self.blocks, host.runner_for)  # a message's blocks, run as one
-        lr = op.attr("lr_decay_block_id")
-        self.lr_block = host.runner_for(program.block(lr)) if lr >= 0 else None
-        self.declared = set(program.global_block().vars)
-        self.grad_specs = {g: GradientSpec.of(program.global_block().vars.get(g)) for g in self.grad_block}
-        self.served = {n for n, v in program.global_block().vars.items() if v.persistable}
+        declared = program.global_block().vars
+        self.blocks = OptimizeBlocks(program, spec, host.runner_for)
+        self.grad_specs = {g: GradientSpec.of(declared.get(g)) for g in spec.grad_blocks}
+        self.served = {n for n, v in declared.items() if v.persistable}
         if self.settings.max_message_bytes is None:  # else set by hand: it wins
-            limit = message_limit(program.global_block().vars, self.served | set(self.grad_block))
+            limit = message_limit(declared, self.served | set(spec.grad_blocks))
             self.settings = self.settings.with_(max_message_bytes=limit)
-        self.tables = set(op.attr("distributed_tables"))  # whose rows trainers PREFETCH
-        unserved = sorted(self.tables - self.served)
-        if unserved:
-            raise ExecutionError(
-                f"{self.name}: distributed tables {unserved} are not persistable variables here"
-            )
         self.members = Membership(
-            self.fanin, self.settings.elastic, self.log, expected=self.settings.trainer_incarnations
+            spec.trainers, self.settings.elastic, self.log, expected=self.settings.trainer_incarnations
         )
         self.clock_log: deque[dict[str, Any]] = deque(maxlen=CLOCK_LOG_LIMIT)
         self.received_rows: dict[str, RowLog] = {}  # sparse gradients: which rows arrived
@@ -136,26 +105,20 @@ class ParameterServer:
         self.unapplied: list[tuple[Request, Callable[[], bool]]] = []
         self._waker: Waker | None = None
         self.log_lines: deque[str] = deque(maxlen=LOG_LIMIT)
-        self.last_heard = time.monotonic()
-        self.locks = {i: threading.Lock() for i in self.blocks}
-        self.lock_of = {name: self.locks[i] for i in self.blocks for name in self.blocks[i].writes}
-        self.checkpoints = Checkpointer(op, self.log, host.checkpoints)
-        self.strategy = STRATEGIES[self.mode](self)
+        self.watch = TrainerWatch(self.members, self.settings, self.log, time.monotonic())
+        self.checkpoints = Checkpointer(spec.checkpoints, spec.pserver_id, self.log, host.checkpoints)
         # Sync with one trainer: a distributed table's update is held, and the rows its PREFETCH
         # asks for applied first. (With several, the step waits for the last trainer's rows,
         # which need most of the update anyway, and each cut adds work: 0.94-0.98x measured
         # with two trainers on one pserver.)
-        splits = self._split_blocks(program) if self.mode == "sync" and self.fanin == 1 else {}
-        self.rows_first = RowsFirst(
-            env, splits, lambda grads: self.joined.run([self.grad_block[g] for g in grads], env)
-        )
+        cut = spec.mode == "sync" and spec.trainers == 1
+        splits = split_blocks(program, spec.grad_blocks, spec.tables, spec.copies) if cut else {}
+        self.rows_first = RowsFirst(env, splits, lambda grads: self.blocks.run(grads, env))
         self._stop_reason: str | None = None
         # Set when the loop stops taking requests (it then finishes what it acknowledged).
         self.ended = threading.Event()
         self.server: RpcServer | None = None
-        self._started = time.monotonic()
-        self._alone_since: float | None = None  # when the last trainer not done was evicted
-        self._stall = (0, time.monotonic())  # the progress counted, and since when requests wait on it
+        self.stall = pserver_stats.Stall(time.monotonic())
         self._handlers: dict[int, Callable[[Request], None]] = {
             Kind.HELLO: lambda r: self.server.reply(r),
             Kind.SEND: self._on_send,
@@ -171,14 +134,21 @@ class ParameterServer:
             ),
             Kind.CHECKPOINT: self._on_checkpoint,
         }
-
-    def _split_blocks(self, program: Any) -> dict[str, SplitBlock]:
-        """The optimize blocks whose distributed table update cuts by rows (rows_first.py)."""
-        copies = self.strategy.copies
-        splits = {
-            g: split_block(program.block(i), self.tables, copies[g]) for g, i in self.grad_block.items()
-        }
-        return {g: split for g, split in splits.items() if split is not None}
+        # Last, of the server now complete: what its strategy works with.
+        context = StrategyContext(
+            env=env,
+            trainers=spec.trainers,
+            staleness=spec.staleness,
+            copies=spec.copies,
+            members=self.members,
+            blocks=self.blocks,
+            apply=lambda grads: self.blocks.run(self.rows_first.hold(grads), env),  # rows_first.py
+            clock_log=self.clock_log,
+            log=self.log,
+            applied=self.applied,
+            wake=self.wake,
+        )
+        self.strategy = STRATEGIES[spec.mode](context)
 
     def log(self, message: str) -> None:
         self.log_lines.append(message)
@@ -187,55 +157,50 @@ class ParameterServer:
     # -- the loop -------------------------------------------------------------------------
 
     def serve(self) -> None:
-        context = self.host.context_for(self.endpoint)
-        self.server = RpcServer(context, self.endpoint, self.name, self.settings, self.host.profile)
+        context = self.host.context_for(self.spec.endpoint)
+        self.server = RpcServer(context, self.spec.endpoint, self.name, self.settings, self.host.profile)
         self._waker = Waker(context)
-        previous_handler = self._catch_sigterm()
-        try:
-            restored = self.checkpoints.restore(self.env, self.pserver_id)
-            if restored is not None:
-                self.strategy.restore(restored)
-            self.strategy.start()
-            while not self.members.done and self._stop_reason is None:
-                self._handle_all(self.server.receive(0.05, wake=self._waker.socket))
-                self._check_trainers()
-                self.claims.retry(self._handle)
-                self._check_rejoin()
-                self._answer_deferred()
-                self._report_stall()
-                self._maybe_checkpoint()
-                self._finish_held()
-                failure = self.strategy.failure
-                if failure is not None:
-                    raise ExecutionError(f"{self.name}: an optimize block failed: {failure}") from failure
-                if self.members.active and time.monotonic() - self.last_heard > IDLE_TIMEOUT:
-                    raise TransportError(
-                        f"{self.name}: no message for {IDLE_TIMEOUT:.0f} s from trainers {sorted(self.members.active)}"
-                    )
-            self._apply_held()
-            self.ended.set()
-            self.strategy.stop()  # every acknowledged gradient applied before the last checkpoint
-            if self.checkpoints.enabled and self.checkpoints.changed_since_last(self.strategy.steps):
-                self._checkpoint(self._stop_reason or "end")
-        finally:
-            self.ended.set()
-            self.strategy.stop()
-            self.server.close()
-            self._waker.close()
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
-        if self._stop_reason == "SIGTERM" and previous_handler is not None:
-            os.kill(os.getpid(), signal.SIGTERM)  # die of it, as the sender expects, now that it is saved
+        with sigterm.saved_before_dying(self.checkpoints.enabled, self._sigterm):
+            try:
+                restored = self.checkpoints.restore(self.env, self.spec.pserver_id)
+                self.strategy.start(restored or 0)
+                while not self.members.done and self._stop_reason is None:
+                    self._handle_all(self.server.receive(0.05, wake=self._waker.socket))
+                    self._check_trainers()
+                    self.claims.retry(self._handle)
+                    self._check_rejoin()
+                    self._answer_deferred()
+                    self._report_stall()
+                    self._maybe_checkpoint()
+                    self._finish_held()
+                    failure = self.strategy.failure
+                    if failure is not None:
+                        raise ExecutionError(f"{self.name}: an optimize block failed: {failure}") from failure
+                    if (idle := self.watch.idle(time.monotonic())) is not None:
+                        raise TransportError(f"{self.name}: {idle}")
+                self._apply_held()
+                self.ended.set()
+                self.strategy.stop()  # every acknowledged gradient applied before the last checkpoint
+                if self.checkpoints.enabled and self.checkpoints.changed_since_last(self.strategy.steps):
+                    self._checkpoint(self._stop_reason or "end")
+            finally:
+                self.ended.set()
+                self.strategy.stop()
+                self.server.close()
+                self._waker.close()
+
+    def _sigterm(self) -> None:
+        self._stop_reason = "SIGTERM"  # (a signal handler: the loop sees it within its 50 ms wait)
 
     def _finish_held(self) -> None:
         """Once a PREFETCH has had its rows of a held table update (rows_first.py), apply the
         rest, after the requests already waiting: the trainer computes meanwhile. Until a
         PREFETCH comes the update stays held (the next step's rows are applied first);
         anything else that reads the tables applies it first."""
-        if self.rows_first.pending and self.rows_first.asked:
+        if self.rows_first.pending and self.rows_first.asked and hasattr(os, "sched_yield"):
             # The answer just went to ZeroMQ's I/O thread, which often waits for this
             # thread's core: let it send before the rest's update takes the core.
-            _yield_core()
+            os.sched_yield()
         while self.rows_first.pending and self.rows_first.asked:
             waiting = self.server.receive(0)
             if not waiting:
@@ -254,21 +219,13 @@ class ParameterServer:
             raise ExecutionError(f"{self.name}: an optimize block failed: {e}") from e
 
     def _report_stall(self) -> None:
-        """Say what the job waits for when requests have waited on a step for STALL_LOG_S
-        (again every STALL_LOG_S while it lasts): which trainers, in which state."""
-        now = time.monotonic()
-        if not self.deferred or self.strategy.progress != self._stall[0]:
-            self._stall = (self.strategy.progress, now)
-            return
-        if now - self._stall[1] < STALL_LOG_S:
-            return
-        self._stall = (self.strategy.progress, now)
-        waiting = sorted({(r.msg.trainer_id, r.msg.kind_name) for r in self.deferred})
-        states = {t: m.state for t, m in self.members.members.items()}
-        self.log(
-            f"no step done for {STALL_LOG_S:.0f} s with requests waiting {waiting}: "
-            f"{self.strategy.describe_wait()}; trainers {states}"
-        )
+        """Say what the job waits for when requests wait on a step (pserver_stats.Stall)."""
+        if self.stall.due(self.strategy.progress, bool(self.deferred), time.monotonic()):
+            waiting = sorted({(r.msg.trainer_id, r.msg.kind_name) for r in self.deferred})
+            states = {t: m.state for t, m in self.members.members.items()}
+            self.log(
+                f"{self.stall}: requests waiting {waiting}: {self.strategy.describe_wait()}; trainers {states}"
+            )
 
     def stop(self, reason: str) -> None:
         """Make the loop end (checkpointing first when it has a directory); thread-safe."""
@@ -287,17 +244,6 @@ class ParameterServer:
         if self.unapplied:
             self.wake()
 
-    def _catch_sigterm(self) -> Any:
-        """In a process's main thread with checkpoints on, SIGTERM saves one before dying."""
-        if not self.checkpoints.enabled or threading.current_thread() is not threading.main_thread():
-            return None
-
-        def on_sigterm(signum: int, frame: object) -> None:
-            self._stop_reason = "SIGTERM"
-
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-        return signal.SIG_DFL if previous in (None, signal.SIG_IGN) else previous
-
     def stats(self, compact: bool = False) -> dict[str, Any]:
         """Counters, clocks and logs, as a snapshot (fluidps.executor.ps.pserver_stats)."""
         return pserver_stats.snapshot(self, compact)
@@ -306,7 +252,7 @@ class ParameterServer:
 
     def _handle_all(self, requests: list[Request]) -> None:
         for request in requests:
-            self.last_heard = time.monotonic()
+            self.watch.heard(time.monotonic())
             self._handle(request)
 
     def _handle(self, request: Request) -> None:
@@ -319,9 +265,9 @@ class ParameterServer:
             and msg.trainer_id == -1
         )
         if (msg.kind in _FROM_TRAINERS or msg.kind in _PULLS) and not observer:
-            if msg.trainer_id not in range(self.fanin):
+            if msg.trainer_id not in range(self.spec.trainers):
                 self.server.error(
-                    request, f"{self.name} serves trainers 0..{self.fanin - 1}, not {msg.trainer_id}"
+                    request, f"{self.name} serves trainers 0..{self.spec.trainers - 1}, not {msg.trainer_id}"
                 )
                 return
             if self.claims.queue(request):  # its claim waits: so do its later requests
@@ -374,11 +320,11 @@ class ParameterServer:
         """Gradients; with `barrier`, also the trainer's send barrier of its step; with
         names, also a GET of them (answered once the step allows, as a GET is)."""
         msg = request.msg
-        unknown = [g for g in msg.tensors if g not in self.grad_block]
+        unknown = [g for g in msg.tensors if g not in self.spec.grad_blocks]
         if unknown:
             self.server.error(request, f"{self.name} owns no gradient named {', '.join(map(repr, unknown))}")
             return
-        self._check_gettable(msg.names)
+        pulls.check_get(msg.names, self.served, self.env)
         wrong = [p for g, v in msg.tensors.items() if (p := self.grad_specs[g].problem(g, v)) is not None]
         if wrong:  # refused whole: nothing of it is stored or applied, and the step waits
             self.log(f"refused trainer {msg.trainer_id}'s SEND of its step {msg.step}: {'; '.join(wrong)}")
@@ -421,26 +367,9 @@ class ParameterServer:
         self.strategy.on_members_changed()
 
     def _check_trainers(self) -> None:
-        """Evict (elastic) or fail on trainers silent for longer than their allowance: the
-        peer timeout, stretched by how far apart their messages came lately, or the
-        warm-up timeout until their first step is sent (paused trainers count too: one
-        waiting for a task keeps sending heartbeats)."""
-        now = time.monotonic()
-        for trainer in sorted(self.members.active):
+        """Evict (elastic) or fail on trainers silent past their allowance (trainer_watch.py)."""
+        for trainer, why in self.watch.silent(self.server.clock, time.monotonic()):
             member = self.members.members[trainer]
-            silence = self.server.clock((trainer, member.sender)) if member.sender else None
-            if silence is None:  # not heard from yet: it may still be importing and transpiling
-                silent, allowed = (
-                    now - self._started,
-                    max(self.settings.warmup_timeout, self.settings.peer_timeout),
-                )
-            else:
-                silent, allowed = silence.silent_for(now), silence.allowance()
-                if (report := silence.stretch_report()) is not None:
-                    self.log(f"trainer {trainer}: {report}")
-            if silent <= allowed:
-                continue
-            why = f"not heard from for {silent:.1f} s, allowed {allowed:.1f} s (it is down, hung or cut off)"
             self.members.lose(trainer, why)
             self.server.untrack((trainer, member.sender))
             if not self.members.elastic:
@@ -453,63 +382,27 @@ class ParameterServer:
             self.strategy.on_members_changed()
 
     def _check_rejoin(self) -> None:
-        """With every trainer not done evicted, wait for one to come back, up to the rejoin
-        timeout; then save what was learned and give the job up, saying why."""
-        if self.members.active or not self.members.lost:
-            if self._alone_since is not None:
-                self._alone_since = None
-                self.log(f"trainers {sorted(self.members.active)} are back; the job goes on")
+        """With every trainer not done evicted past the rejoin timeout (trainer_watch.py),
+        save what was learned and give the job up, saying why."""
+        if not self.watch.given_up(time.monotonic()):
             return
-        now, waiting = time.monotonic(), sorted(self.members.lost)
-        if self._alone_since is None:
-            self._alone_since = now
-            self.log(
-                f"every trainer not done was evicted ({', '.join(map(str, waiting))}); waiting up to "
-                f"{self.settings.rejoin_timeout:g} s for one to rejoin, keeping the parameters and checkpointing"
-            )
-        elif now - self._alone_since > self.settings.rejoin_timeout:
-            if self.checkpoints.enabled:
-                self._checkpoint("abandoned")
-            raise TransportError(
-                f"{self.name}: no evicted trainer ({', '.join(map(str, waiting))}) came back within "
-                f"{self.settings.rejoin_timeout:g} s (RpcSettings.rejoin_timeout); the job is given up"
-                + (" after a last checkpoint" if self.checkpoints.enabled else "")
-            )
+        if self.checkpoints.enabled:
+            self._checkpoint("abandoned")
+        raise TransportError(
+            f"{self.name}: no evicted trainer ({', '.join(map(str, sorted(self.members.lost)))}) came back "
+            f"within {self.settings.rejoin_timeout:g} s (RpcSettings.rejoin_timeout); the job is given up"
+            + (" after a last checkpoint" if self.checkpoints.enabled else "")
+        )
 
     # -- parameters -----------------------------------------------------------------------
 
     def _on_get(self, request: Request) -> None:
-        self._check_gettable(request.msg.names)
+        pulls.check_get(request.msg.names, self.served, self.env)
         self._pull(request)
 
-    def _check_gettable(self, names: list[str]) -> None:
-        unknown = [n for n in names if n not in self.served or n not in self.env]
-        if unknown:
-            raise ExecutionError(f"holds no variable {', '.join(map(repr, unknown))}")
-        hashed = [n for n in names if isinstance(self.env[n], SparseTable)]
-        if hashed:
-            raise ExecutionError(f"hashed table {hashed[0]!r} is read by id (PREFETCH), never whole")
-
     def _on_prefetch(self, request: Request) -> None:
-        """Rows of distributed tables: each tensor names a table block here and holds
-        int64 row indices into it; checked before anything is read."""
-        for name, rows in request.msg.tensors.items():
-            if name not in self.tables:
-                held = ", ".join(sorted(self.tables)) or "none"
-                raise ExecutionError(
-                    f"holds no distributed table {name!r} (its tables: {held}); the trainer's program was "
-                    "transpiled for another job: transpile trainers and pservers together"
-                )
-            if isinstance(rows, SelectedRows) or rows.dtype != np.int64 or rows.ndim != 1:
-                raise ExecutionError(f"a prefetch of {name!r} must carry 1-D int64 row indices")
-            table = self.env[name]
-            if isinstance(table, SparseTable):
-                table.check_ids(rows, f"a prefetch of {name!r}")  # ids >= 0 that this shard owns
-                continue
-            height = np.shape(table)[0]
-            if rows.size and (rows.min() < 0 or rows.max() >= height):
-                bad = int(rows[np.flatnonzero((rows < 0) | (rows >= height))[0]])
-                raise ExecutionError(f"row {bad} asked of table block {name!r} is outside its {height} rows")
+        """Rows of distributed tables, by index: checked whole before anything is read."""
+        pulls.check_prefetch(request.msg.tensors, self.spec.tables, self.env)
         self._pull(request)
 
     def _pull(self, request: Request) -> None:
@@ -526,14 +419,20 @@ class ParameterServer:
         if msg.kind == Kind.PREFETCH:
             if self.rows_first.pending:
                 self._apply_held(msg.tensors)  # the rows asked for now, the rest once nothing waits
-            values = {name: self.strategy.read_rows(name, rows) for name, rows in msg.tensors.items()}
+            values = {name: self._read(name, rows) for name, rows in msg.tensors.items()}
         else:
             if self.rows_first.holds(msg.names):
                 self._apply_held()
-            values = {name: self.strategy.read(name) for name in msg.names}
+            values = {name: self._read(name) for name in msg.names}
             if msg.trainer_id >= 0:
                 self.strategy.answered(msg.trainer_id)
         self.server.reply(request, Message(Kind.VALUES, tensors=values, step=self.strategy.steps))
+
+    def _read(self, name: str, rows: np.ndarray | None = None) -> Any:
+        """What is sent of `name` (or of its `rows`): copied under its lock while the
+        strategy's optimize thread may update it."""
+        lock = self.blocks.locked(name) if self.strategy.updates_meanwhile else None
+        return pulls.read(self.env, name, rows, lock)
 
     def _answer_deferred(self) -> None:
         sends, self.unapplied = self.unapplied, []
@@ -558,22 +457,11 @@ class ParameterServer:
             problem = set_problem(self.env.get(name) if name in self.served else None, value)
             if problem is not None:
                 raise ExecutionError(f"cannot set {name!r}: {problem}")
-        # A value that came over TCP is this process's own memory (its frame): the pserver
-        # keeps it as it is. An inproc frame may be the sender's array itself: copied.
-        own = not self.server.address.startswith("inproc://")
+        own = not self.server.address.startswith("inproc://")  # (inproc: the sender's memory)
         for name, value in request.msg.tensors.items():
-            if isinstance(value, SelectedRows):  # (its frames are read-only views)
-                value = SelectedRows(np.array(value.rows), np.array(value.value), value.height)
-            elif not (own and value.flags.writeable and value.flags.aligned):
-                value = np.array(value, copy=True)
-            with self.locked(name):
-                self.env[name] = value
+            with self.blocks.locked(name):
+                self.env[name] = stored(value, own)
         self.server.reply(request)
-
-    def locked(self, name: str) -> contextlib.AbstractContextManager:
-        """Hold the lock of the optimize block that writes `name` (if one does)."""
-        lock = self.lock_of.get(name)
-        return lock if lock is not None else contextlib.nullcontext()
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -585,17 +473,7 @@ class ParameterServer:
         """Save a checkpoint; `delta`: of hashed tables' changes since the last base (None:
         as the checkpoint schedule says)."""
         self._apply_held()
-        since = self.checkpoints.delta_since(delta) or {}
-        values = {}
-        for name in self.checkpoints.placements:
-            with self.locked(name):
-                value = self.env[name]
-                values[name] = (
-                    value.snapshot(since.get(name))
-                    if isinstance(value, SparseTable)
-                    else np.array(value, copy=True)
-                )
-        return self.checkpoints.save(values, self.strategy.steps, reason)
+        return self.checkpoints.take(self.env, self.blocks.locked, self.strategy.steps, reason, delta)
 
     def _on_checkpoint(self, request: Request) -> None:
         kinds = {"": None, "base": False, "delta": True}

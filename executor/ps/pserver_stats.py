@@ -1,5 +1,6 @@
 """What a pserver reports of itself (ParameterServer.stats, a STATS request): its
-counters, clocks, logs and tables, as a snapshot that later requests do not change."""
+counters, clocks, logs and tables, as a snapshot that later requests do not change;
+and, in its log, what a step that takes long waits for (Stall)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,27 @@ if TYPE_CHECKING:
 # only while they are few; a message's text must stay far below the wire's limit.
 WIRE_CLOCK_EVENTS = 1000
 WIRE_UNIQUE_ROWS = 50_000
+STALL_LOG_S = 30.0  # requests waiting this long on a step: the pserver says what for
+
+
+class Stall:
+    """When to say what requests wait for: once they have waited STALL_LOG_S on a step
+    with no progress, and again every STALL_LOG_S while that lasts."""
+
+    def __init__(self, now: float):
+        self._since = (0, now)  # the progress counted, and since when requests wait on it
+
+    def due(self, progress: int, waiting: bool, now: float) -> bool:
+        if not waiting or progress != self._since[0]:
+            self._since = (progress, now)
+            return False
+        if now - self._since[1] < STALL_LOG_S:
+            return False
+        self._since = (progress, now)
+        return True
+
+    def __str__(self) -> str:
+        return f"no step done for {STALL_LOG_S:.0f} s"
 
 
 def snapshot(ps: ParameterServer, compact: bool = False) -> dict[str, Any]:
@@ -29,9 +51,8 @@ def snapshot(ps: ParameterServer, compact: bool = False) -> dict[str, Any]:
         rows = {grad: u.tolist() for grad, u in unique.items()} if few else None
     else:
         rows = {grad: log.rows() for grad, log in ps.received_rows.items()}
-    runners = [*ps.blocks.values(), *ps.joined.runners, *([ps.lr_block] if ps.lr_block is not None else [])]
     out = {
-        "mode": ps.mode,
+        "mode": ps.spec.mode,
         **ps.strategy.stats(),
         "clocks": {str(t): m.clock for t, m in ps.members.members.items()},
         "trainers": {str(t): m.state for t, m in ps.members.members.items()},
@@ -53,8 +74,8 @@ def snapshot(ps: ParameterServer, compact: bool = False) -> dict[str, Any]:
         "log": list(ps.log_lines)[-200:] if compact else list(ps.log_lines),
         "hashed_tables": {n: v.stats() for n in ps.served if isinstance(v := ps.env.get(n), SparseTable)},
         "rss_bytes": resident_bytes(),
-        "compiled_ops": sum(r.compiled_ops for r in runners),  # 0: interpreted
-        "joined_blocks": ps.joined.sets,  # sets of optimize blocks run as one block
+        "compiled_ops": sum(r.compiled_ops for r in ps.blocks.runners),  # 0: interpreted
+        "joined_blocks": ps.blocks.joined_sets,  # sets of optimize blocks run as one block
         "rows_first": dict(ps.rows_first.counts),  # table updates held, and cut for a PREFETCH
         "max_message_bytes": ps.settings.message_limit,
     }

@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit
 
 from fluidps.errors import ExecutionError
-from fluidps.ir.program import Block
+from fluidps.ir.program import Block, Program
 from fluidps.ops.selected_rows import SelectedRows
 
 # Ops that combine the trainers' gradients (each row on its own), when they read only them.
@@ -56,6 +56,18 @@ class SplitBlock:
     table: str  # the table block it updates (a distributed table's, held here whole)
     inputs: tuple[str, ...]  # the gradients it reads (a copy per trainer, or the gradient)
     scalars: tuple[str, ...]  # state shared by all rows that it writes (put back after a first part)
+
+
+def split_blocks(
+    program: Program,
+    grad_blocks: Mapping[str, int],
+    tables: Iterable[str],
+    copies: Mapping[str, Iterable[str]],
+) -> dict[str, SplitBlock]:
+    """Per gradient whose optimize block (`grad_blocks`) updates a table of `tables` by rows,
+    reading the gradient's `copies`: how it cuts (split_block)."""
+    splits = {g: split_block(program.block(i), tables, copies[g]) for g, i in grad_blocks.items()}
+    return {g: split for g, split in splits.items() if split is not None}
 
 
 def split_block(block: Block, tables: Iterable[str], inputs: Iterable[str]) -> SplitBlock | None:

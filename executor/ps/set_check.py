@@ -1,4 +1,5 @@
-"""What a SET may write on a pserver: a value of the variable's kind, shape and dtype.
+"""What a SET may write on a pserver (a value of the variable's kind, shape and dtype), and
+what the pserver keeps of it.
 
 A SET comes from the job's client (RemoteExecutor loading or writing values) and is
 proven by the job's secret like every message; it is still checked whole before any
@@ -40,3 +41,14 @@ def set_problem(current: Any, value: Any) -> str | None:
     if value.shape != current.shape or value.dtype != current.dtype:
         return f"got {value.dtype}{list(value.shape)}, it is {current.dtype}{list(current.shape)}"
     return None
+
+
+def stored(value: Any, own_memory: bool) -> Any:
+    """What a pserver keeps of a SET's value: the value itself when its frame is this
+    process's own memory (`own_memory`: it came over TCP) and writable, else a copy (an
+    inproc frame may be the sender's own array; a SelectedRows' frames are read-only views)."""
+    if isinstance(value, SelectedRows):
+        return SelectedRows(np.array(value.rows), np.array(value.value), value.height)
+    if own_memory and value.flags.writeable and value.flags.aligned:
+        return value
+    return np.array(value, copy=True)

@@ -28,25 +28,24 @@
 
 The ParameterServer loop (fluidps.executor.ps.parameter_server) owns the socket,
 the trainers' membership and the checkpoints, and calls its strategy at each event.
+A strategy sees nothing of the server: it is given a StrategyContext, made once the
+server is complete, of what it works with (the variables, the trainers, the blocks).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from fluidps.executor.ps import gradients
-from fluidps.executor.ps.layered_env import LayeredEnv
-from fluidps.ops.sparse_table import SparseTable
 
 if TYPE_CHECKING:
-    from fluidps.executor.ps.parameter_server import ParameterServer
+    from fluidps.executor.ps.membership import Membership
+    from fluidps.executor.ps.optimize_blocks import OptimizeBlocks
 
 _WORKER_POLL = 0.05  # seconds the async optimize thread waits for a message before checking for a stop
 # An async SEND is acknowledged once at most this many gradients queued before and with
@@ -55,13 +54,36 @@ _WORKER_POLL = 0.05  # seconds the async optimize thread waits for a message bef
 ASYNC_BACKLOG = 2
 
 
+@dataclass(frozen=True)
+class StrategyContext:
+    """What a strategy works with, and all it sees of its pserver."""
+
+    env: dict[str, Any]  # the pserver's variables
+    trainers: int  # the job's
+    staleness: int  # SSP: how many steps a trainer may run ahead of the slowest
+    # Per gradient, in block order: where each trainer's copy lands (ServeSpec.copies).
+    copies: Mapping[str, tuple[str, ...]]
+    members: Membership  # which trainers are live, and their clocks
+    blocks: OptimizeBlocks
+    # Sync: run the optimize blocks of these gradients (a distributed table's may be held
+    # and applied after the answers: rows_first.py).
+    apply: Callable[[list[str]], None]
+    clock_log: deque[dict[str, Any]]  # clock and grant events, for the stats
+    log: Callable[[str], None]
+    applied: Callable[[], None]  # (thread-safe) an optimize thread applied gradients
+    wake: Callable[[], None]  # (thread-safe) an optimize thread failed: the loop looks now
+
+
 class Strategy:
     """What every mode answers; the defaults are async's."""
 
     mode = ""
+    # Whether a worker thread updates the variables while the loop reads them: a value
+    # sent is then copied under its block's lock; else it is sent as it is.
+    updates_meanwhile = True
 
-    def __init__(self, ps: ParameterServer):
-        self.ps = ps
+    def __init__(self, ctx: StrategyContext):
+        self.ctx = ctx
 
     @property
     def steps(self) -> int:
@@ -73,11 +95,8 @@ class Strategy:
         """What moves whenever the job does: a stall is this standing still."""
         return self.steps
 
-    def restore(self, step: int) -> None:
-        """Continue from a checkpoint taken at `step`."""
-
-    def start(self) -> None:
-        """The loop begins serving."""
+    def start(self, step: int) -> None:
+        """The loop begins serving, at step `step` (a restored checkpoint's, else 0)."""
 
     def stop(self) -> None:
         """The loop ends: finish what was acknowledged."""
@@ -106,16 +125,6 @@ class Strategy:
         """Whether a GET of `trainer` can be answered now (else it waits)."""
         return True
 
-    def read(self, name: str) -> Any:
-        """A served value, safe to send while workers go on updating."""
-        with self.ps.locked(name):
-            return gradients.copy(self.ps.env[name])
-
-    def read_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows of a distributed table's block (a copy), safe to send while workers update it."""
-        with self.ps.locked(name):
-            return _rows_of(self.ps.env[name], rows)
-
     def answered(self, trainer: int) -> None:
         """A GET of `trainer` was answered."""
 
@@ -129,9 +138,10 @@ class Strategy:
 
 class SyncStrategy(Strategy):
     mode = "sync"
+    updates_meanwhile = False  # nothing changes a value until every trainer has fetched it
 
-    def __init__(self, ps: ParameterServer):
-        super().__init__(ps)
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
         self.arrived: set[int] = set()  # send barriers of the current step
         self.sent: set[int] = set()  # trainers whose gradients of the current step arrived
         self.senders: dict[str, set[int]] = {}  # per gradient: the trainers that sent it this step
@@ -142,12 +152,6 @@ class SyncStrategy(Strategy):
         self.closed: dict[int, int] = {}
         self.rounds = 0  # rounds of barriers closed, those without gradients too
         self.completed = 0  # optimization steps done: rounds some trainer brought gradients to
-        # Where each trainer's gradient of a slice lands: its own copy, which the optimize
-        # block sums; a job of one trainer has no copies, its gradient is optimized as it is.
-        self.copies = {
-            g: [c if (c := f"{g}.trainer_{t}") in ps.declared else g for t in range(ps.fanin)]
-            for g in ps.grad_block
-        }
 
     @property
     def steps(self) -> int:
@@ -157,29 +161,29 @@ class SyncStrategy(Strategy):
     def progress(self) -> int:
         return self.rounds
 
-    def restore(self, step: int) -> None:
+    def start(self, step: int) -> None:
         self.completed = step
 
     def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> None:
-        ps = self.ps
+        ctx = self.ctx
         if tensors and self._closed(trainer, step):
-            ps.log(
+            ctx.log(
                 f"trainer {trainer}'s gradients of its step {step} came after that step was closed "
                 f"(its barrier counted); dropped: {', '.join(map(repr, tensors))}"
             )
             return
-        everyone = set(range(ps.fanin))
+        everyone = set(range(ctx.trainers))
         ready = []
         for grad, value in tensors.items():
             if grad in self.applied:
                 # Applied with every trainer's gradient already: this one is a resent message
                 # or comes from a restarted trainer redoing the step; it counted once.
-                ps.log(
+                ctx.log(
                     f"trainer {trainer}'s {grad!r} (its step {step}) came after this step applied "
                     "every trainer's; dropped (a resent message, or a restarted trainer)"
                 )
                 continue
-            ps.env[self.copies[grad][trainer]] = value
+            ctx.env[ctx.copies[grad][trainer]] = value
             self.sent.add(trainer)
             senders = self.senders.setdefault(grad, set())
             senders.add(trainer)
@@ -189,7 +193,7 @@ class SyncStrategy(Strategy):
 
     def on_barrier(self, trainer: int, step: int) -> None:
         if self._closed(trainer, step):  # counted once; a GET riding on it is answered as usual
-            self.ps.log(f"trainer {trainer}'s send barrier of its step {step} came again; ignored")
+            self.ctx.log(f"trainer {trainer}'s send barrier of its step {step} came again; ignored")
             return
         if step:
             self.closed[trainer] = step
@@ -211,17 +215,11 @@ class SyncStrategy(Strategy):
     def may_answer(self, trainer: int) -> bool:
         return self.rounds >= self.awaiting.get(trainer, 0)
 
-    def read(self, name: str) -> Any:
-        return self.ps.env[name]  # nothing changes it until every trainer has fetched
-
-    def read_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
-        return _rows_of(self.ps.env[name], rows)  # (no worker thread updates it meanwhile)
-
     def stats(self) -> dict[str, Any]:
         return {"completed_steps": self.completed, "rounds": self.rounds}
 
     def describe_wait(self) -> str:
-        live = self.ps.members.live
+        live = self.ctx.members.live
         return (
             f"round {self.rounds + 1} (step {self.completed + 1}) has the barriers of trainers {sorted(self.arrived)} and waits for "
             f"{sorted(live - self.arrived)} (live {sorted(live)}; gradients from {sorted(self.sent)}; GETs "
@@ -230,26 +228,23 @@ class SyncStrategy(Strategy):
 
     def _apply(self, grads: list[str]) -> None:
         """Run the optimize blocks of `grads` as one (and, first in a step, the
-        learning-rate block); a distributed table's is held (ParameterServer.rows_first)."""
-        ps = self.ps
+        learning-rate block)."""
         if not grads:
             return
-        if not self.applied and ps.lr_block is not None:
-            ps.lr_block.run(ps.env)
+        if not self.applied:
+            self.ctx.blocks.advance_learning_rate(self.ctx.env)
         self.applied.update(grads)
-        now = ps.rows_first.hold(grads)  # a distributed table's: applied after the answers (rows_first.py)
-        if now:
-            ps.joined.run([ps.grad_block[g] for g in now], ps.env)
+        self.ctx.apply(grads)
 
     def _maybe_complete(self) -> None:
-        ps = self.ps
-        live = ps.members.live
+        ctx = self.ctx
+        live = ctx.members.live
         if not self.arrived or not live <= self.arrived:
             return
         contributors = self.arrived & self.sent
         if contributors:
-            everyone = set(range(ps.fanin))
-            waiting = sorted((g for g in ps.grad_block if g not in self.applied), key=ps.grad_block.get)
+            everyone = set(range(ctx.trainers))
+            waiting = [g for g in ctx.copies if g not in self.applied]  # (in block order)
             unsent, ready = [], []
             for grad in waiting:
                 have = self.senders.get(grad, set()) & contributors
@@ -261,13 +256,13 @@ class SyncStrategy(Strategy):
                 # of those that did, so the optimize block's sum / trainers is their mean.
                 missing = everyone - have
                 if missing:
-                    mean = gradients.mean([ps.env[self.copies[grad][t]] for t in sorted(have)])
+                    mean = gradients.mean([ctx.env[ctx.copies[grad][t]] for t in sorted(have)])
                     for t in missing:
-                        ps.env[self.copies[grad][t]] = mean
+                        ctx.env[ctx.copies[grad][t]] = mean
                 ready.append(grad)
             self._apply(ready)
             if unsent:
-                ps.log(
+                ctx.log(
                     f"step {self.completed + 1}: trainers {sorted(contributors)} sent no gradient of "
                     f"{', '.join(map(repr, unsent))}; those slices stay as they were (does every trainer "
                     "run the trainer program transpiled with this pserver's?)"
@@ -284,15 +279,15 @@ class SyncStrategy(Strategy):
 class AsyncStrategy(Strategy):
     mode = "async"
 
-    def __init__(self, ps: ParameterServer):
-        super().__init__(ps)
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
         self.max_step = 0  # the furthest clock
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
         self._failure: BaseException | None = None
         # Per gradient: how many were queued (by the loop) and applied (by the worker).
-        self._queued: dict[str, int] = dict.fromkeys(ps.grad_block, 0)
-        self._applied: dict[str, int] = dict.fromkeys(ps.grad_block, 0)
+        self._queued: dict[str, int] = dict.fromkeys(ctx.copies, 0)
+        self._applied: dict[str, int] = dict.fromkeys(ctx.copies, 0)
         # The gradients of each SEND queued and not yet applied, in order (the worker
         # applies a message's gradients at once: each is at the head of its queue then).
         self._messages: deque[list[str]] = deque()
@@ -306,10 +301,8 @@ class AsyncStrategy(Strategy):
     def failure(self) -> BaseException | None:
         return self._failure
 
-    def restore(self, step: int) -> None:
+    def start(self, step: int) -> None:
         self.max_step = step
-
-    def start(self) -> None:
         self._worker = threading.Thread(target=self._work, name="optimize", daemon=True)
         self._worker.start()
 
@@ -321,10 +314,9 @@ class AsyncStrategy(Strategy):
             self._worker.join(timeout=10)
 
     def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> Callable[[], bool]:
-        ps = self.ps
         ticket = {}
         for grad, value in tensors.items():
-            ps.blocks[ps.queue_block[grad]].run({grad: value})
+            self.ctx.blocks.enqueue(grad, value)
             self._queued[grad] += 1
             ticket[grad] = self._queued[grad]
         if tensors:
@@ -335,23 +327,21 @@ class AsyncStrategy(Strategy):
         return lambda: all(self._applied[grad] >= n - ASYNC_BACKLOG for grad, n in ticket.items())
 
     def _tick(self, trainer: int, step: int) -> None:
-        ps = self.ps
-        if not ps.members.tick(trainer, step):
+        ctx = self.ctx
+        if not ctx.members.tick(trainer, step):
             return
-        clock = ps.members.clock(trainer)
-        ps.clock_log.append({"t": time.monotonic(), "event": "clock", "trainer": trainer, "step": clock})
+        clock = ctx.members.clock(trainer)
+        ctx.clock_log.append({"t": time.monotonic(), "event": "clock", "trainer": trainer, "step": clock})
         if clock > self.max_step:
             # Without global steps, the schedule advances with the furthest trainer, a
             # step at a time (a trainer uploading every n steps moves it n steps).
-            for _ in range(clock - self.max_step if ps.lr_block is not None else 0):
-                ps.lr_block.run(ps.env)
+            ctx.blocks.advance_learning_rate(ctx.env, clock - self.max_step)
             self.max_step = clock
 
     def _work(self) -> None:
         """Apply the messages' gradients in order, each message's blocks joined as one;
         until told to stop with none left: a gradient acknowledged to its trainer is
         applied, even when that trainer has just said it is done."""
-        ps = self.ps
         while True:
             with self._arrived:
                 if not self._messages:
@@ -361,34 +351,29 @@ class AsyncStrategy(Strategy):
                         return
                     continue
                 grads = self._messages.popleft()
-            blocks = [ps.grad_block[g] for g in grads]
             try:
-                with contextlib.ExitStack() as held:
-                    for block in sorted(set(blocks)):  # (a GET holds one lock at a time: no deadlock)
-                        held.enter_context(ps.locks[block])
-                    writes = set().union(*(ps.blocks[b].writes for b in blocks))
-                    ps.joined.run(blocks, LayeredEnv(ps.env, writes))
+                self.ctx.blocks.run_locked(grads, self.ctx.env)
             except BaseException as e:  # reported by the serving loop, which stops the job
                 self._failure = e
-                ps.wake()
+                self.ctx.wake()
                 return
             for grad in grads:
                 self._applied[grad] += 1  # (this thread is its only writer)
-            ps.applied()
+            self.ctx.applied()
 
 
 class SspStrategy(AsyncStrategy):
     mode = "ssp"
 
     def may_answer(self, trainer: int) -> bool:
-        members = self.ps.members
+        members = self.ctx.members
         slowest = members.slowest()
-        return slowest is None or members.clock(trainer) - slowest <= self.ps.staleness
+        return slowest is None or members.clock(trainer) - slowest <= self.ctx.staleness
 
     def answered(self, trainer: int) -> None:
-        members = self.ps.members
+        members = self.ctx.members
         clock, slowest = members.clock(trainer), members.slowest()
-        self.ps.clock_log.append(
+        self.ctx.clock_log.append(
             {
                 "t": time.monotonic(),
                 "event": "grant",
@@ -400,11 +385,3 @@ class SspStrategy(AsyncStrategy):
 
 
 STRATEGIES: dict[str, type[Strategy]] = {s.mode: s for s in (SyncStrategy, AsyncStrategy, SspStrategy)}
-
-
-def _rows_of(table: Any, rows: np.ndarray) -> np.ndarray:
-    """Rows of a distributed table's block, a copy: of a hashed one by id (ids without a
-    row read their initial values), of a fixed one by index."""
-    if isinstance(table, SparseTable):
-        return table.lookup(rows)
-    return np.take(table, rows, axis=0)

@@ -84,33 +84,24 @@ def main() -> None:
             layers.dataset_reader(
                 role.dataset, [block.var("ids"), block.var("click")], args.batch_size, passes=args.epochs
             )
-    t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(mode=role.mode))
-    t.transpile(
-        role.trainer_id,
-        main_program,
-        pservers=",".join(role.pserver_endpoints),
-        trainers=role.trainers,
-        startup_program=startup,
-    )
+    mine = fluidps.transpile_for_role(role, main_program, startup)  # (in the launcher's --mode)
     exe = fluidps.Executor()
     if role.is_pserver:
-        pserver_main, pserver_startup = t.get_pserver_programs(role.current_endpoint)
-        exe.run(pserver_startup)
-        exe.run(pserver_main)
+        exe.run(mine.startup)
+        exe.run(mine.main)
         return
     steps, result = 0, {}
     try:
-        exe.run(t.get_trainer_startup_program())  # the parameters as they are now
-        program = t.get_trainer_program()
+        exe.run(mine.startup)  # the parameters as they are now
         while True:
             try:
-                exe.run(program, fetch_list=[loss])
+                exe.run(mine.main, fetch_list=[loss])
             except fluidps.EOFException:
                 break
             steps += 1
         result = {"trainer_id": role.trainer_id, "steps": steps}
         if role.trainer_id == 0:
-            exe.run(t.get_trainer_startup_program())  # the final parameters
+            exe.run(mine.startup)  # the final parameters
             ids, clicks = click_log(TEST, seed=2)
             (acc,) = exe.run(test_program, feed={"ids": ids, "click": clicks}, fetch_list=[accuracy])
             result["test_accuracy"] = float(acc)

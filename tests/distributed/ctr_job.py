@@ -65,33 +65,24 @@ def main() -> None:
     out, steps = Path(sys.argv[1]), int(sys.argv[2])
     role = fluidps.role_from_env()
     program, startup, loss = build(sys.argv[3] if len(sys.argv) > 3 else "adam")
-    t = fluidps.DistributeTranspiler(CONFIG)
-    t.transpile(
-        role.trainer_id,
-        program,
-        pservers=",".join(role.pserver_endpoints),
-        trainers=role.trainers,
-        startup_program=startup,
-    )
+    mine = fluidps.transpile_for_role(role, program, startup, CONFIG)
     exe = fluidps.Executor()
     if role.is_pserver:
-        pserver_main, pserver_startup = t.get_pserver_programs(role.current_endpoint)
-        exe.run(pserver_startup)
-        exe.run(pserver_main)
+        exe.run(mine.startup)
+        exe.run(mine.main)
         held = [
             {"param": s.param, "grad": s.grad, "offset": s.offset, "rows": s.rows, "sparse": s.sparse}
-            for s in t.plan.slices
-            if s.endpoint == role.current_endpoint
+            for s in mine.plan.slices_on(role.current_endpoint)
         ]
         stats = exe.runtime.pserver_loops[0].stats()
         (out / f"pserver.{role.pserver_index}.json").write_text(json.dumps(stats | {"slices": held}))
         return
 
     params = [p.name for p in program.all_parameters()]
-    trainer = t.get_trainer_program()
+    trainer = mine.main
     losses, fed = [], []
     try:
-        exe.run(t.get_trainer_startup_program())
+        exe.run(mine.startup)
         np.savez(out / f"trainer.{role.trainer_id}.initial.npz", **{n: exe.scope[n] for n in params})
         for step in range(steps):
             feed = batch(step, role.trainer_id)

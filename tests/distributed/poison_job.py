@@ -31,19 +31,18 @@ def main() -> None:
         fluidps.layers.dataset_reader(
             role.dataset, [block.var("image"), block.var("label"), poison], BATCH, passes=EPOCHS
         )
-    t = transpile(role, main_program, startup, 0)
+    mine = transpile(role, main_program, startup, 0)
     exe = fluidps.Executor()
     if role.is_pserver:
-        pserver_main, pserver_startup = t.get_pserver_programs(role.current_endpoint)
-        exe.run(pserver_startup)
-        exe.run(pserver_main)
+        exe.run(mine.startup)
+        exe.run(mine.main)
         return
     steps = 0
     try:
-        exe.run(t.get_trainer_startup_program())
+        exe.run(mine.startup)
         while True:
             try:
-                _, flags = exe.run(t.get_trainer_program(), fetch_list=[model[3], poison])
+                _, flags = exe.run(mine.main, fetch_list=[model[3], poison])
             except fluidps.EOFException:
                 break
             if flags.any():

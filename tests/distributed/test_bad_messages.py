@@ -70,28 +70,31 @@ def _batch(seed: int) -> dict[str, np.ndarray]:
     return {"x": x, "y": x[:, :3].argmax(axis=1).reshape(-1, 1).astype("int64")}
 
 
+def _pserver_files(tmp_path: Path) -> tuple[list[str], str, fluidps.DistributedPlan]:
+    """The pserver programs of a one-pserver sync job of _model, written into `tmp_path`:
+    (`fluidps serve` arguments naming them, the pserver's endpoint, the job's plan)."""
+    main, startup, _ = _model()
+    endpoint = f"127.0.0.1:{free_port()}"
+    role = fluidps.RoleInfo(
+        "PSERVER", trainer_id=0, trainers=1, pserver_endpoints=(endpoint,), current_endpoint=endpoint
+    )
+    pserver = fluidps.transpile_for_role(
+        role, main, startup, fluidps.DistributeTranspilerConfig(min_block_size=8)
+    )
+    (tmp_path / "ps.pb").write_bytes(pserver.main.serialize_to_string())
+    (tmp_path / "ps_startup.pb").write_bytes(pserver.startup.serialize_to_string())
+    files = ["--program", str(tmp_path / "ps.pb"), "--startup", str(tmp_path / "ps_startup.pb")]
+    return ["--role", "pserver", *files], endpoint, pserver.plan
+
+
 @contextmanager
 def _pserver(
     tmp_path: Path, env: dict[str, str]
-) -> Iterator[tuple[subprocess.Popen, str, fluidps.DistributeTranspiler]]:
+) -> Iterator[tuple[subprocess.Popen, str, fluidps.DistributedPlan]]:
     """A one-pserver sync job: the pserver as a `fluidps serve` process (its output in a
-    log file), stopped by its pid; yields (process, endpoint, transpiler)."""
-    main, startup, _ = _model()
-    endpoint = f"127.0.0.1:{free_port()}"
-    t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8))
-    t.transpile(0, main, endpoint, trainers=1, startup_program=startup)
-    ps_main, ps_startup = t.get_pserver_programs(endpoint)
-    (tmp_path / "ps.pb").write_bytes(ps_main.serialize_to_string())
-    (tmp_path / "ps_startup.pb").write_bytes(ps_startup.serialize_to_string())
+    log file), stopped by its pid; yields (process, endpoint, the job's plan)."""
+    args, endpoint, plan = _pserver_files(tmp_path)
     log_path = tmp_path / "pserver.log"
-    args = [
-        "--role",
-        "pserver",
-        "--program",
-        str(tmp_path / "ps.pb"),
-        "--startup",
-        str(tmp_path / "ps_startup.pb"),
-    ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [*FLUIDPS, "serve", *args],
@@ -109,7 +112,7 @@ def _pserver(
                     f"the pserver did not say it was ready ({process.poll()}):\n{log_path.read_text()}"
                 )
             time.sleep(0.05)
-        yield process, endpoint, t
+        yield process, endpoint, plan
     finally:
         stop_group(process)
 
@@ -228,7 +231,7 @@ def test_a_pserver_rejects_bad_messages_and_goes_on_serving(tmp_path):
     context = zmq.Context()
     try:
         with (
-            _pserver(tmp_path, {"FLUIDPS_MAX_MESSAGE_BYTES": str(MAX_BYTES)}) as (process, endpoint, t),
+            _pserver(tmp_path, {"FLUIDPS_MAX_MESSAGE_BYTES": str(MAX_BYTES)}) as (process, endpoint, plan),
             _dealer(context, endpoint) as bystander,
         ):
             _hello(bystander, 1)  # a client that behaves, connected all along
@@ -280,12 +283,12 @@ def test_a_pserver_rejects_bad_messages_and_goes_on_serving(tmp_path):
             exe = fluidps.Executor(runtime_config=fluidps.RuntimeConfig(rpc=SETTINGS))
             closed = False
             try:
-                exe.run(t.get_trainer_startup_program())
+                exe.run(plan.trainer_startup)  # (trainer 0's programs: the plan's, not copies)
                 local = fluidps.Executor()
                 local.run(startup)
                 for name in [p.name for p in main.all_parameters()]:
                     local.scope[name] = exe.scope[name].copy()  # the pserver's initial values
-                trainer = t.get_trainer_program()
+                trainer = plan.trainer_program
                 for step in range(3):
                     (got,) = exe.run(trainer, feed=_batch(step), fetch_list=[loss.name])
                     (want,) = local.run(main, feed=_batch(step), fetch_list=[loss])
@@ -316,16 +319,9 @@ def test_a_valid_max_message_bytes_is_used():
 
 
 def test_serve_with_an_invalid_max_message_bytes_exits_naming_it(tmp_path):
-    main, startup, _ = _model()
-    endpoint = f"127.0.0.1:{free_port()}"
-    t = fluidps.DistributeTranspiler(fluidps.DistributeTranspilerConfig(min_block_size=8))
-    t.transpile(0, main, endpoint, trainers=1, startup_program=startup)
-    ps_main, ps_startup = t.get_pserver_programs(endpoint)
-    (tmp_path / "ps.pb").write_bytes(ps_main.serialize_to_string())
-    (tmp_path / "ps_startup.pb").write_bytes(ps_startup.serialize_to_string())
-    files = ["--program", str(tmp_path / "ps.pb"), "--startup", str(tmp_path / "ps_startup.pb")]
+    args, _, _ = _pserver_files(tmp_path)
     done = subprocess.run(
-        [*FLUIDPS, "serve", "--role", "pserver", *files],
+        [*FLUIDPS, "serve", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -345,7 +341,7 @@ def test_a_gradient_sent_again_in_a_step_counts_once(tmp_path):
     params = [g.removesuffix("@GRAD") for g in grads]
     context = zmq.Context()
     try:
-        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+        with _pserver(tmp_path, {}) as (_, endpoint, _plan), _dealer(context, endpoint) as sock:
             sock.send_multipart(encode(Message(Kind.GET, names=params, request_id=1)))  # an observer
             before = _answer(sock)
             assert before is not None and before.kind == Kind.VALUES
@@ -380,7 +376,7 @@ def test_gradients_of_a_step_already_closed_are_dropped(tmp_path):
     params = [g.removesuffix("@GRAD") for g in first]
     context = zmq.Context()
     try:
-        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+        with _pserver(tmp_path, {}) as (_, endpoint, _plan), _dealer(context, endpoint) as sock:
             sock.send_multipart(encode(Message(Kind.GET, names=params, request_id=1)))
             before = _answer(sock)
             assert before is not None and before.kind == Kind.VALUES
@@ -446,7 +442,7 @@ def test_a_step_without_a_gradient_leaves_its_slice_as_it_was(tmp_path):
     params = [g.removesuffix("@GRAD") for g in grads]
     context = zmq.Context()
     try:
-        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+        with _pserver(tmp_path, {}) as (_, endpoint, _plan), _dealer(context, endpoint) as sock:
             steps = [
                 Message(
                     Kind.SEND,
@@ -502,7 +498,7 @@ def test_a_gradient_of_the_wrong_shape_or_dtype_is_refused_whole(tmp_path):
     ]  # fmt: skip
     context = zmq.Context()
     try:
-        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+        with _pserver(tmp_path, {}) as (_, endpoint, _plan), _dealer(context, endpoint) as sock:
             sock.send_multipart(encode(Message(Kind.GET, names=params, request_id=1)))
             before = _answer(sock)
             for i, (tensors, why) in enumerate(bad):
@@ -578,7 +574,7 @@ def test_a_forged_or_corrupted_header_cannot_take_over_a_trainer_id(tmp_path):
     context = zmq.Context()
     keepalive = None
     try:
-        with _pserver(tmp_path, env) as (_, endpoint, _t), _dealer(context, endpoint) as real:
+        with _pserver(tmp_path, env) as (_, endpoint, _plan), _dealer(context, endpoint) as real:
             real.send_multipart(step(1, TRAINER, 1))
             assert _answer(real).kind == Kind.VALUES
             keepalive = Keepalive(SETTINGS, 0, TRAINER, lambda _: context)
@@ -636,7 +632,7 @@ def test_a_pserver_derives_its_message_limit_from_its_plan(tmp_path):
     dropped unread with its connection, and a new connection is served."""
     context = zmq.Context()
     try:
-        with _pserver(tmp_path, {}) as (_, endpoint, _t), _dealer(context, endpoint) as sock:
+        with _pserver(tmp_path, {}) as (_, endpoint, _plan), _dealer(context, endpoint) as sock:
             sock.send_multipart(encode(Message(Kind.STATS, request_id=1)))
             limit = json.loads(_answer(sock).text)["max_message_bytes"]
             assert limit == FLOOR
@@ -702,7 +698,7 @@ def test_a_pserver_fed_garbage_keeps_serving_in_bounded_memory_and_logs_it_rate_
     context = zmq.Context()
     try:
         env = {"FLUIDPS_TRAINER_INCARNATIONS": f"{TRAINER:x}"}
-        with _pserver(tmp_path, env) as (_, endpoint, _t), _dealer(context, endpoint) as real:
+        with _pserver(tmp_path, env) as (_, endpoint, _plan), _dealer(context, endpoint) as real:
             real.send_multipart(encode(Message(Kind.GET, names=params, request_id=1)))
             before = _answer(real)
             real.send_multipart(step(1, 2))

@@ -107,9 +107,10 @@ def test_a_first_speaker_cannot_take_a_trainer_id_the_pserver_was_told(tmp_path)
     secret.write(tmp_path / "job.secret")
     main, startup, *_ = mlp()
     endpoint = f"127.0.0.1:{free_port()}"
-    t = fluidps.DistributeTranspiler()
-    t.transpile(0, main, endpoint, trainers=1, startup_program=startup)
-    ps_main, ps_startup = t.get_pserver_programs(endpoint)
+    role = fluidps.RoleInfo(
+        "PSERVER", trainer_id=0, trainers=1, pserver_endpoints=(endpoint,), current_endpoint=endpoint
+    )
+    pserver = fluidps.transpile_for_role(role, main, startup)
     command = [sys.executable, "-m", "fluidps", "serve", "--secret-file", str(tmp_path / "job.secret")]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
@@ -122,7 +123,7 @@ def test_a_first_speaker_cannot_take_a_trainer_id_the_pserver_was_told(tmp_path)
         server = RpcClient(context, line.split(" ready on ", 1)[1].strip(), "executor server", settings)
         trainer = 0xABC
         server.call(Message(Kind.CONFIGURE, text=json.dumps({"trainer_incarnations": f"{trainer:x}"})))
-        for name, program in (("startup", ps_startup), ("pserver", ps_main)):
+        for name, program in (("startup", pserver.startup), ("pserver", pserver.main)):
             server.call(Message(Kind.LOAD, text=name, blobs=[program.serialize_to_string()]))
         with pytest.raises(RemoteError, match="before the job loads or runs anything"):
             server.call(Message(Kind.CONFIGURE, text=json.dumps({"incarnation": "1"})))

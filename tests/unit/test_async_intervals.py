@@ -372,7 +372,7 @@ def test_a_send_is_acknowledged_once_its_gradients_are_applied():
         exe.runtime.trainer.settle()  # acknowledged
         for ep in eps:
             servers.drain(ep)  # and applied
-            for lock in loops[ep].locks.values():
+            for lock in loops[ep].blocks.locks.values():
                 assert lock.acquire(timeout=WAIT)
                 held.append(lock)
         # Each step's start waits for the SEND of the step before: within the backlog, acknowledged.

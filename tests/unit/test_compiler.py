@@ -6,8 +6,6 @@ the op; generated code is reused from disk by the next process."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -20,6 +18,7 @@ from fluidps import layers, optimizer
 from fluidps.executor.compiler import Compiler, ModuleCache
 from fluidps.executor.compiler.segments import COMPILE_AFTER
 from fluidps.ops.selected_rows import SelectedRows
+from helpers import python_output
 
 
 @pytest.fixture(scope="module")
@@ -441,14 +440,8 @@ def test_a_block_compiles_after_some_runs_and_at_its_second_when_a_process_compi
     run COMPILE_AFTER; the next, finding the code on disk, loads it at its second run."""
     runs = []
     for count in (COMPILE_AFTER + 2, 3):
-        done = subprocess.run(
-            [sys.executable, "-c", _CACHED_RUN, str(tmp_path), str(count)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stderr
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        output = python_output(_CACHED_RUN, str(tmp_path), str(count))
+        runs.append(json.loads(output.strip().splitlines()[-1]))
     first, second = runs
     assert (first["compiled_at"], second["compiled_at"]) == (COMPILE_AFTER, 2)
     assert first["segments"] == second["segments"] >= 2

@@ -17,13 +17,13 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from helpers import python_output
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "fluidps"
@@ -225,16 +225,7 @@ print(" ".join(loaded))
 def test_local_training_loads_no_zeromq_and_no_distributed_room(compile_, tmp_path):
     # A fresh interpreter: this test process has long imported everything.
     env = dict(os.environ, FLUIDPS_COMPILE=compile_, FLUIDPS_CACHE_DIR=str(tmp_path))
-    result = subprocess.run(
-        [sys.executable, "-c", LOCAL_TRAINING],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT.parent,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr
-    loaded = result.stdout.split()
+    loaded = python_output(LOCAL_TRAINING, env=env, timeout=300).split()
     assert "zmq" not in loaded
     # The compiler room only where the executor compiles (the default) ...
     assert ("fluidps.executor.compiler.segments" in loaded) == (compile_ == "1")

@@ -1,0 +1,103 @@
+"""One process's programs of a job: the job transpiled, and this process's part picked.
+
+Every process of a parameter-server job runs the same script: it builds the model,
+transpiles it for the whole job (every process gets the same plan), and runs its own
+part of it: a pserver the main and startup programs of its endpoint, a trainer the
+trainer's. `transpile_for_role` is that step, given the process's role, which
+`fluidps.role_from_env` reads from the environment `fluidps launch` (or a Kubernetes
+manifest) sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from fluidps.errors import BuilderError
+from fluidps.ir.program import Program
+from fluidps.transpiler.config import DistributeTranspilerConfig
+from fluidps.transpiler.distribute import DistributeTranspiler
+from fluidps.transpiler.plan import DistributedPlan
+
+
+class ProcessRole(Protocol):
+    """What `transpile_for_role` reads of a process's role (fluidps.RoleInfo is one)."""
+
+    @property
+    def is_pserver(self) -> bool: ...
+
+    @property
+    def trainer_id(self) -> int: ...
+
+    @property
+    def trainers(self) -> int: ...
+
+    @property
+    def pserver_endpoints(self) -> Sequence[str]: ...
+
+    @property
+    def current_endpoint(self) -> str | None: ...
+
+    @property
+    def mode(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class RolePrograms:
+    """The programs of one process of a job: run `startup` once, then `main` (a pserver's
+    main serves until every trainer is done; a trainer's trains one step a call). They are
+    copies, the process's own. `plan` is the whole job's: where each slice lives, and the
+    other processes' programs."""
+
+    main: Program
+    startup: Program
+    plan: DistributedPlan
+
+
+def transpile_for_role(
+    role: ProcessRole,
+    program: Program,
+    startup_program: Program,
+    config: DistributeTranspilerConfig | None = None,
+) -> RolePrograms:
+    """Transpile `program` (with its optimizer ops) and `startup_program` for the job
+    `role` belongs to, and return the programs this process runs: pserver
+    `role.current_endpoint`'s, or trainer `role.trainer_id`'s.
+
+    `config` says how to transpile (default: DistributeTranspilerConfig(mode=role.mode));
+    its mode must be the role's, which the launcher gives every process of the job.
+    The input programs are not changed. Raises BuilderError when the modes differ or the
+    pserver's endpoint is not one of the job's.
+
+        role = fluidps.role_from_env()
+        mine = fluidps.transpile_for_role(role, main, startup)
+        exe = fluidps.Executor()
+        exe.run(mine.startup)
+        if role.is_pserver:
+            exe.run(mine.main)  # serves until every trainer is done
+        else:
+            for batch in batches:
+                exe.run(mine.main, feed=batch, fetch_list=[loss])
+    """
+    if config is None:
+        config = DistributeTranspilerConfig(mode=role.mode)
+    elif config.mode != role.mode:
+        raise BuilderError(
+            f"the config's mode is {config.mode!r} but the role's is {role.mode!r} (FLUIDPS_MODE): every "
+            f"process of a job must transpile for the job's mode; pass a config with mode={role.mode!r}"
+        )
+    transpiler = DistributeTranspiler(config)
+    plan = transpiler.transpile(
+        role.trainer_id,
+        program,
+        pservers=role.pserver_endpoints,
+        trainers=role.trainers,
+        startup_program=startup_program,
+    )
+    if role.is_pserver:
+        if role.current_endpoint is None:
+            raise BuilderError("a pserver's role needs its own endpoint (current_endpoint)")
+        main, startup = transpiler.get_pserver_programs(role.current_endpoint)
+        return RolePrograms(main, startup, plan)
+    return RolePrograms(transpiler.get_trainer_program(), transpiler.get_trainer_startup_program(), plan)
