@@ -27,10 +27,8 @@ import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 import fluidps  # noqa: E402
-from fluidps import layers, optimizer  # noqa: E402
+from bench.local import classifier_program  # noqa: E402
 from fluidps.executor import shape_guard  # noqa: E402
 from fluidps.executor.compiler import Compiler, ModuleCache  # noqa: E402
 
@@ -50,25 +48,8 @@ def guard_off() -> Iterator[None]:
         shape_guard.ShapeGuard.check_env, shape_guard.ShapeGuard.check_args = checks
 
 
-def classifier(sizes: list[int]) -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable, list[dict]]:
-    main, startup = fluidps.Program(), fluidps.Program()
-    with fluidps.program_guard(main, startup):
-        h = layers.data("x", [sizes[0]])
-        y = layers.data("y", [1], dtype="int64")
-        for width in sizes[1:-1]:
-            h = layers.fc(h, width, act="relu")
-        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, sizes[-1]), y))
-        optimizer.SGD(0.01).minimize(loss)
-    rng = np.random.default_rng(0)
-    batches = [
-        {"x": rng.random((BATCH, sizes[0]), dtype=np.float32), "y": rng.integers(0, sizes[-1], (BATCH, 1))}
-        for _ in range(8)
-    ]
-    return main, startup, loss, batches
-
-
 def measure(model: str, executor: str, steps: int, windows: int) -> dict:
-    main, startup, loss, batches = classifier(MODELS[model])
+    main, startup, loss, batches = classifier_program(MODELS[model], BATCH)
     cache = tempfile.mkdtemp(prefix="fluidps-bench-guard-")
     try:
         compiled = executor == "compiled"

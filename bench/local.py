@@ -104,10 +104,11 @@ class Executors:
             shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
-def fluidps_classifier(
-    sizes: list[int], batch: int, steps: int, repeats: int, executors: Executors | None = None
-) -> float:
-    executors = executors or Executors(compiled=False)
+def classifier_program(
+    sizes: list[int], batch: int
+) -> tuple[fluidps.Program, fluidps.Program, fluidps.Variable, list[dict[str, np.ndarray]]]:
+    """An MLP of `sizes` (relu between, softmax cross entropy, SGD): (main, startup, loss,
+    eight random batches of `batch` rows)."""
     main, startup = fluidps.Program(), fluidps.Program()
     with fluidps.program_guard(main, startup):
         x = layers.data("x", [sizes[0]])
@@ -122,6 +123,14 @@ def fluidps_classifier(
         {"x": rng.random((batch, sizes[0]), dtype=np.float32), "y": rng.integers(0, sizes[-1], (batch, 1))}
         for _ in range(8)
     ]
+    return main, startup, loss, batches
+
+
+def fluidps_classifier(
+    sizes: list[int], batch: int, steps: int, repeats: int, executors: Executors | None = None
+) -> float:
+    executors = executors or Executors(compiled=False)
+    main, startup, loss, batches = classifier_program(sizes, batch)
 
     def started() -> fluidps.Executor:
         exe = executors.make()
