@@ -369,9 +369,9 @@ class ParameterServer:
     def _check_trainers(self) -> None:
         """Evict (elastic) or fail on trainers silent past their allowance (trainer_watch.py)."""
         for trainer, why in self.watch.silent(self.server.clock, time.monotonic()):
-            member = self.members.members[trainer]
+            sender = self.members.members[trainer].sender  # (read first: an eviction zeroes it)
             self.members.lose(trainer, why)
-            self.server.untrack((trainer, member.sender))
+            self.server.untrack((trainer, sender))
             if not self.members.elastic:
                 error = f"{self.name}: trainer {trainer} was {why}; the job cannot go on without it"
                 for waiting in self.deferred:

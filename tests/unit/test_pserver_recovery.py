@@ -464,6 +464,7 @@ def test_a_pserver_whose_trainers_were_all_evicted_waits_and_one_rejoins_where_i
         stats = json.loads(job.observe(Kind.STATS, endpoint).text)
         assert stats["completed_steps"] == 2
         assert any("waiting up to 600 s for one to rejoin" in line for line in stats["log"])
+        assert stats["peers"]["clocks"] == 0  # the evicted incarnation's clock went with it
     assert any("was evicted after going silent" in p for p in hung.close())
     exe, program = job.trainer(0)
     for b in data[2:]:
