@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +25,7 @@ from fluidps.profiling import COMMUNICATION_OPS, UNTIMED_OPS
 
 if TYPE_CHECKING:  # the compiler room loads only where an Executor compiles
     from fluidps.executor.compiler import Compiler, Segment
+    from fluidps.executor.compiler.ahead import CompileAhead
 
 
 def describe(value: Any) -> str:
@@ -50,7 +51,8 @@ class BlockRunner:
     wanted after the block besides persistable state (the fetches). A block is compiled
     at its Compiler.compile_after-th run, or at its second when its code is on disk
     already (a startup program, run once, never is; interpreted runs give the same
-    results). A segment that fails is run again op by
+    results); with Compiler.background, on a thread of its own, the block running
+    interpreted until its code is ready. A segment that fails is run again op by
     op, so that the error names the op; one that writes persistable state in place is
     not, and its error names its ops.
 
@@ -99,6 +101,8 @@ class BlockRunner:
         self._runs = 0
         self._compiled = False  # compiled (or tried to): see Compiler.compile_after
         self._broken: set[int] = set()  # segments numba could not compile: interpreted
+        self._ahead: CompileAhead | None = None  # compiling on a thread of its own (Compiler.background)
+        self._names = {n for op in block.ops for n in (*op.input_arg_names, *op.output_arg_names)}
         # Persistable variables this block writes (shared state when blocks run on threads).
         self.writes = {
             n
@@ -109,16 +113,30 @@ class BlockRunner:
 
     def run(self, env: Any) -> None:
         self._runs += 1
+        ahead = False  # compile on a thread of its own once this run is done
         if self._compiler is not None and not self._compiled:
             # Run 2 looks for code on disk (generating the source to name it); if it is not
             # there, nothing is tried again until run compile_after, which compiles.
-            if self._runs >= self._compiler.compile_after:
-                self._compile()
+            if self._ahead is not None:
+                if self._ahead.done:
+                    self._install(self._ahead.result)
+            elif self._runs >= self._compiler.compile_after:
+                ahead = self._compiler.background
+                if not ahead:
+                    self._compile()
             elif self._runs == 2:
                 self._compile(cached_only=True)
         if self.segments:
             self._run_compiled(env)
             return
+        self._run_ops(env)
+        if ahead:  # (after the run: the block's temporaries are in env, and their types tell)
+            from fluidps.executor.compiler.ahead import CompileAhead, argument_types
+
+            types = argument_types(env, self._names)
+            self._ahead = CompileAhead(self.block, self._compiler, self._keep, types)
+
+    def _run_ops(self, env: Any) -> None:
         index = 0
         try:
             if self._profile is None:
@@ -149,14 +167,24 @@ class BlockRunner:
         """How many of the block's ops run inside compiled segments (0 until it compiles)."""
         return sum(s.stop - s.start for s in self.segments.values() if s.start not in self._broken)
 
+    @property
+    def compiling(self) -> bool:
+        """Whether its code is being compiled on a thread of its own (Compiler.background)."""
+        return self._ahead is not None and not self._ahead.done
+
     def _compile(self, cached_only: bool = False) -> None:
-        """Compile the block's segments (with `cached_only`, only when their code is on
-        disk already); a block the compiler cannot handle (a cache directory it cannot
-        write, a lowering that fails) runs interpreted, with a warning."""
+        """Compile the block's segments now (with `cached_only`, only when their code is
+        on disk already)."""
         from fluidps.executor.compiler import compile_block
 
+        self._install(lambda: compile_block(self.block, self._compiler, self._keep, cached_only))
+
+    def _install(self, make: Callable[[], list[Segment] | None]) -> None:
+        """Run the segments `make` returns from now on (None: none yet); a block the
+        compiler cannot handle (a cache directory it cannot write, a lowering that fails)
+        runs interpreted, with a warning."""
         try:
-            segments = compile_block(self.block, self._compiler, self._keep, cached_only)
+            segments = make()
             if segments is None:
                 return  # (not on disk yet: compiled at run compile_after)
             self._compiled = True
@@ -169,7 +197,7 @@ class BlockRunner:
             warnings.warn(
                 f"block {self.block.idx} runs interpreted: it could not be compiled ({type(e).__name__}: {e})",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
 
     def _run_compiled(self, env: Any) -> None:

@@ -21,7 +21,7 @@ every participant to use the same context: give them the same RuntimeConfig(cont
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fluidps.errors import TransportError
@@ -69,11 +69,13 @@ class RuntimeConfig:
 
 
 class Runtime:
-    """`compiler`: the executor's, which compiles a pserver's optimize blocks too."""
+    """`compiler`: the executor's, which compiles a pserver's optimize blocks too (on
+    threads of their own: the pserver's loop keeps answering while they compile)."""
 
     def __init__(self, config: RuntimeConfig, compiler: Compiler | None = None):
         self.config = config
         self.compiler = compiler
+        self._optimize_compiler = replace(compiler, background=True) if compiler else None
         # This participant's incarnation: pservers tell a restarted trainer from its old self by it.
         self.sender = config.incarnation or secrets.randbits(63) | 1
         self.profile = Profile() if config.profile else None
@@ -147,9 +149,7 @@ class Runtime:
         return self._context
 
     def _runner_for(self, block: Block) -> BlockRunner:
-        return BlockRunner(
-            block, self, compute="optimize", compiler=self.compiler
-        )  # a pserver's optimize blocks
+        return BlockRunner(block, self, compute="optimize", compiler=self._optimize_compiler)  # a pserver's
 
     def _idle_trainer(self) -> bool:
         """A reader has no task for now: a sync trainer takes part in a round without

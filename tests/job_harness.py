@@ -27,14 +27,19 @@ class PserverThreads:
     (startup, then main: it serves until every trainer sends COMPLETE). `wait` bounds
     `drain` and `join` unless they are given their own timeout."""
 
-    def __init__(self, transpiler, endpoints: list[str], settings: RpcSettings, wait: float = 30.0):
+    def __init__(
+        self, transpiler, endpoints: list[str], settings: RpcSettings, wait: float = 30.0, compile=None
+    ):
+        """`compile`: the pservers' Executors' (None: as FLUIDPS_COMPILE says)."""
         self.transpiler, self.endpoints, self.wait = transpiler, list(endpoints), wait
         self.errors: list[BaseException] = []
         self.context = zmq.Context()
         # Closed (with any socket a failed test left open) once the job is collected.
         weakref.finalize(self, self.context.destroy, 0)
         self.config = RuntimeConfig(rpc=settings, context=self.context)
-        self.executors = {ep: fluidps.Executor(runtime_config=self.config) for ep in self.endpoints}
+        self.executors = {
+            ep: fluidps.Executor(runtime_config=self.config, compile=compile) for ep in self.endpoints
+        }
         self.final_stats: dict[str, dict] = {}  # per endpoint, when its loop ended
         self.threads = [
             threading.Thread(target=self._serve, args=(ep,), daemon=True) for ep in self.endpoints

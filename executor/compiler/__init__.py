@@ -14,6 +14,7 @@ stay with the interpreter, between segments (fluidps.executor.block_runner).
 - buffers.py:  liveness over a segment: a run stores its outputs in arrays dead by then
 - cache.py:    the generated modules on disk, so that numba's cache serves a new process
 - segments.py: which ops form segments, and the compiled callables
+- ahead.py:    a block compiled on a thread of its own while it runs interpreted
 
 May import: fluidps.errors, fluidps.ir, fluidps.ops
 """

@@ -145,7 +145,9 @@ class Compiler:
     """How an Executor compiles: where generated code is kept, the fewest ops a
     segment has (a lone op gains little from a compiled call of its own; tests that
     check one op's compiled form set 1), whether elementwise runs fuse (and updates
-    of many parameters batch), and when a block compiles."""
+    of many parameters batch), when a block compiles, and whether on a thread of its
+    own (`background`: the block runs interpreted until its code is ready, see
+    fluidps.executor.compiler.ahead; a pserver's optimize blocks do)."""
 
     cache: ModuleCache
     min_ops: int = MIN_OPS
@@ -154,6 +156,7 @@ class Compiler:
     # its code is on disk already. 2: always at the second run.
     compile_after: int = COMPILE_AFTER
     fuse: bool = True  # elementwise runs as one loop each (.fusion), neighbouring updates too (.batching)
+    background: bool = False
 
 
 def compile_block(

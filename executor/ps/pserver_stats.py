@@ -75,6 +75,7 @@ def snapshot(ps: ParameterServer, compact: bool = False) -> dict[str, Any]:
         "hashed_tables": {n: v.stats() for n in ps.served if isinstance(v := ps.env.get(n), SparseTable)},
         "rss_bytes": resident_bytes(),
         "compiled_ops": sum(r.compiled_ops for r in ps.blocks.runners),  # 0: interpreted
+        "compiling_blocks": sum(r.compiling for r in ps.blocks.runners),  # compiling beside the loop
         "joined_blocks": ps.blocks.joined_sets,  # sets of optimize blocks run as one block
         "rows_first": dict(ps.rows_first.counts),  # table updates held, and cut for a PREFETCH
         "max_message_bytes": ps.settings.message_limit,
