@@ -35,7 +35,7 @@ from fluidps.errors import (
 from fluidps.executor import Executor, RuntimeConfig, Scope
 from fluidps.executor.env import RoleInfo, role_from_env
 from fluidps.ir import AttrType, Block, Operator, OpRole, Parameter, Program, Variable, VarType
-from fluidps.layers.guard import program_guard
+from fluidps.layers.guard import device_guard, program_guard
 from fluidps.ops import REGISTRY as op_registry
 from fluidps.ops import check, verify
 from fluidps.optimizer.clip import GradientClipByGlobalNorm
@@ -45,6 +45,8 @@ from fluidps.transpiler import (
     DistributedPlan,
     DistributeTranspiler,
     DistributeTranspilerConfig,
+    PipelinePlan,
+    PipelineTranspiler,
     RolePrograms,
     transpile_for_role,
 )
@@ -94,6 +96,8 @@ __all__ = [
     "Operator",
     "ParamAttr",
     "Parameter",
+    "PipelinePlan",
+    "PipelineTranspiler",
     "Program",
     "ProgramError",
     "ProgramParseError",
@@ -112,6 +116,7 @@ __all__ = [
     "VerifyError",
     "append_backward",
     "check",
+    "device_guard",
     "initializer",
     "io",
     "layers",

@@ -13,7 +13,8 @@ The algorithm is Fluid's:
 5. a grad op whose output gradients were never produced is dropped; one
    missing only some gets them from `fill_zeros_like`;
 6. append the grad ops (op_role Backward; op_role_var [param, grad] on the
-   op that makes a parameter's gradient) and return (param, grad) pairs.
+   op that makes a parameter's gradient; the forward op's op_device) and
+   return (param, grad) pairs.
 
 May import: fluidps.errors, fluidps.ir, fluidps.ops
 """
@@ -30,6 +31,7 @@ from fluidps.ir.types import (
     EMPTY_VAR_NAME,
     FLOAT_TYPES,
     GRAD_SUFFIX,
+    OP_DEVICE_ATTR,
     OP_ROLE_ATTR,
     OP_ROLE_VAR_ATTR,
     RENAME_SUFFIX,
@@ -79,7 +81,13 @@ def append_backward(
     for op in reversed(path):
         maker = REGISTRY.schema(op.type).grad
         if maker is not None:
-            descs += maker(GradContext(op, frozenset(no_grad)))
+            made = maker(GradContext(op, frozenset(no_grad)))
+            # A grad op runs where its forward op does (a pipeline stage: Paddle's grad ops
+            # carry their forward op's op_device the same way).
+            if device := (op.attr(OP_DEVICE_ATTR) if op.has_attr(OP_DEVICE_ATTR) else ""):
+                for desc in made:
+                    desc.attrs.setdefault(OP_DEVICE_ATTR, device)
+            descs += made
     descs = _complete(block, descs)
 
     params = _parameters(program, parameter_list)

@@ -15,9 +15,10 @@ tests/unit/test_layering.py holds the code to it:
 - remote/     RemoteExecutor: jobs on executor servers, and the servers themselves
 - launch/     processes on one machine: the launcher, the processes a job starts,
               the environment contract, progress
+- pipeline/   pipeline programs' stages on a schedule (model parallelism)
 
 May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops, fluidps.transpiler.config,
-fluidps.executor.compiler, fluidps.executor.transport, fluidps.executor.ps, fluidps.executor.tasks,
+fluidps.transpiler.pipeline, fluidps.executor.compiler, fluidps.executor.pipeline, fluidps.executor.transport, fluidps.executor.ps, fluidps.executor.tasks,
 fluidps.profiling
 """
 

@@ -32,6 +32,7 @@ from fluidps.ops.selected_rows import SelectedRows
 
 if TYPE_CHECKING:
     from fluidps.executor.compiler import Compiler
+    from fluidps.executor.pipeline.local import LocalPipeline
 
 FetchTarget = Variable | str
 # The feed of the step after this one: given, or a function giving it when asked (None: not known)
@@ -42,6 +43,7 @@ RUNTIME_OPS = frozenset(
     {"send", "recv", "send_barrier", "fetch_barrier", "listen_and_serv", "enqueue", "dequeue"}
     | {"distributed_lookup_table"}  # prefetches rows of a table the pservers hold
     | {"create_dataset_reader"}  # readers get their tasks through the runtime
+    | {"send_v2", "recv_v2"}  # pipeline stages' exchanges
 )
 _HOLDERS = (FEED_VAR_NAME, FETCH_VAR_NAME)
 
@@ -273,6 +275,10 @@ class Executor:
             weakref.WeakKeyDictionary()
         )
         self._runtime_config = runtime_config
+        # Per pipeline program: (its revision, its LocalPipeline, the executor of its stages).
+        self._pipelines: weakref.WeakKeyDictionary[Program, tuple[int, LocalPipeline, Executor]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._runtime: Runtime | None = None
         if compile is None:
             from fluidps.executor.env import compile_from_env
@@ -323,6 +329,11 @@ class Executor:
             raise ProgramError("Executor.run needs a Program (fluidps has no default program)")
         feed = dict(feed or {})
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
+        if (
+            program.pipeline is not None
+        ):  # (PipelineOptimizer's): micro-batch by micro-batch through its stages
+            results = self._pipeline(program).step(self.scope if scope is None else scope, feed, fetch_names)
+            return [_to_numpy(v) if return_numpy else v for v in results]
         prepared = self.prepare(program, feed.keys(), fetch_names)
         return prepared.run(self.scope if scope is None else scope, feed, return_numpy, next_feed)
 
@@ -372,12 +383,55 @@ class Executor:
             prepared = per_program[key] = PreparedProgram(program, fetch_names, runtime, self.compiler)
         return prepared
 
+    def _pipeline(self, program: Program) -> LocalPipeline:
+        """The LocalPipeline of this program version: its stages' programs, run by an
+        Executor of their own whose runtime passes values between them."""
+        from fluidps.executor.pipeline.local import LocalChannel, LocalPipeline
+        from fluidps.transpiler.pipeline import PipelineTranspiler
+
+        cached = self._pipelines.get(program)
+        if cached is None or cached[0] != program.revision:
+            verify_program(program)
+            plan = PipelineTranspiler().transpile(program)
+            channel = LocalChannel()
+            stages = Executor(runtime_config=RuntimeConfig(), compile=self.compiler or False)
+            stages.runtime.attach_stages(channel)
+
+            def run(
+                stage_program: Program, feed: Mapping[str, Any], fetch: Sequence[str], scope: Scope
+            ) -> list:
+                return stages.run(
+                    stage_program, feed=feed, fetch_list=list(fetch), scope=scope, return_numpy=False
+                )
+
+            cached = self._pipelines[program] = (program.revision, LocalPipeline(plan, run, channel), stages)
+        return cached[1]
+
+    def pipeline_stats(self, program: Program) -> list[dict[str, Any]]:
+        """Per stage of a pipeline program this executor ran: the most micro-batches'
+        activations it held at once (`peak_live_microbatches`), its parameters' bytes."""
+        cached = self._pipelines.get(program)
+        if cached is None:
+            raise ExecutionError("pipeline_stats: this executor has not run that pipeline program")
+        pipeline = cached[1]
+        return [
+            {
+                "stage": s.stage,
+                "peak_live_microbatches": pipeline.peak_live[s.stage],
+                "param_bytes": s.param_bytes,
+                "params": list(s.params),
+                "steps": pipeline.steps,
+            }
+            for s in pipeline.plan.stages
+        ]
+
     def compiled_ops(self) -> int:
         """How many ops of the programs it ran run inside compiled segments (a block is
         compiled after a few runs: Compiler.compile_after). A pserver loop's stats count its
         optimize blocks'."""
         prepared = [p for versions in list(self._cache.values()) for p in list(versions.values())]
-        return sum(p.runner.compiled_ops for p in prepared)  # (copies: a status thread asks)
+        stages = sum(c[2].compiled_ops() for c in list(self._pipelines.values()))  # a pipeline's stages'
+        return stages + sum(p.runner.compiled_ops for p in prepared)  # (copies: a status thread asks)
 
     def explain(self, program: Program) -> str:
         """Which ops of `program`'s global block run compiled (with `compile=True`), in

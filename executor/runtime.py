@@ -24,7 +24,7 @@ import secrets
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from fluidps.errors import TransportError
+from fluidps.errors import ExecutionError, TransportError
 from fluidps.executor.block_runner import BlockRunner
 from fluidps.executor.ps.checkpointer import CheckpointOverrides
 from fluidps.executor.transport.settings import RpcSettings
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from fluidps.executor.ps.host import PserverHost
     from fluidps.executor.ps.trainer_client import TrainerClient
     from fluidps.executor.tasks.task_reader import Readers, TaskSource
+    from fluidps.ops.runtime_api import StageChannel
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Runtime:
         self._trainer: TrainerClient | None = None
         self._pserver: PserverHost | None = None
         self._readers: Readers | None = None
+        self._stages: StageChannel | None = None
 
     @property
     def settings(self) -> RpcSettings:
@@ -109,6 +111,21 @@ class Runtime:
                 self.settings, self.config.checkpoints, self.context_for, self._runner_for, self.profile
             )
         return self._pserver
+
+    @property
+    def stages(self) -> StageChannel:
+        """This process's channel to the other stages of a pipeline (send_v2 / recv_v2)."""
+        if self._stages is None:
+            raise ExecutionError(
+                "send_v2 / recv_v2 exchange values between pipeline stages: run the program they are in as "
+                "a stage of a pipeline (an Executor runs a PipelineOptimizer's program through its stages; "
+                "fluidps.PipelineTranspiler cuts one)"
+            )
+        return self._stages
+
+    def attach_stages(self, channel: StageChannel) -> None:
+        """Run pipeline stages' programs here, exchanging values through `channel`."""
+        self._stages = channel
 
     @property
     def readers(self) -> Readers:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluidps.errors import ProgramError
 from fluidps.ir.operator import Operator, SlotArgs
@@ -11,6 +11,9 @@ from fluidps.ir.tracked import TouchOnAssign, TrackedDict, TrackedList
 from fluidps.ir.types import AttrType, OpRole, VarType, to_vartype
 from fluidps.ir.unique_name import UniqueNameGenerator
 from fluidps.ir.variable import Parameter, Variable
+
+if TYPE_CHECKING:
+    from fluidps.ir.devices import PipelineConfig
 
 ROOT_PARENT = -1  # parent_idx of block 0, as Fluid writes it
 
@@ -243,6 +246,7 @@ class Program(TouchOnAssign):
 
     random_seed: int
     format_version: int
+    pipeline: PipelineConfig | None
 
     def __init__(self) -> None:
         # Into __dict__, past __setattr__: building a program is no edit (see TouchOnAssign).
@@ -254,6 +258,10 @@ class Program(TouchOnAssign):
             _current_block_idx=0,
             _extra=b"",
             _blocks=TrackedList([Block(self, 0)], self._touch),
+            # Set by PipelineOptimizer.minimize (not in the ProgramDesc: Paddle keeps its
+            # pipeline options beside the program too); an Executor then runs it micro-batch
+            # by micro-batch through its stages.
+            pipeline=None,
         )
 
     @property
@@ -339,6 +347,7 @@ class Program(TouchOnAssign):
         clone.format_version = self.format_version
         clone._names = self._names.copy()
         clone._extra = self._extra
+        clone.pipeline = None if for_test else self.pipeline  # (evaluation runs the whole batch at once)
         blocks = []
         for block in self.blocks:
             copy = Block(clone, block.idx, block.parent_idx)

@@ -99,6 +99,7 @@ EMPTY_VAR_NAME = "@EMPTY@"  # placeholder argument: "this gradient is not wanted
 RENAME_SUFFIX = "@RENAME@"  # repeated gradients are renamed x@GRAD@RENAME@0, ... then summed
 OP_ROLE_ATTR = "op_role"
 OP_ROLE_VAR_ATTR = "op_role_var"
+OP_DEVICE_ATTR = "op_device"  # Paddle's: where an op runs ("gpu:0"); here a pipeline stage ("stage:0")
 FEED_VAR_NAME = "feed"
 # listen_and_serv's distributed_mode (Fluid's SYNC 0 and ASYNC 1; fluidps adds SSP 4).
 DISTRIBUTED_MODES = {0: "sync", 1: "async", 4: "ssp"}

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from fluidps.errors import BuilderError
+from fluidps.ir.devices import parse_device
 from fluidps.ir.program import Program
 
 _PROGRAMS: contextvars.ContextVar[tuple[Program, Program | None] | None] = contextvars.ContextVar(
@@ -44,3 +45,28 @@ def current_programs(layer: str) -> tuple[Program, Program | None]:
             "`with fluidps.program_guard(main_program, startup_program):`"
         )
     return programs
+
+
+# -- device_guard ---------------------------------------------------------------------------
+
+_DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("fluidps_device", default=None)
+
+
+@contextmanager
+def device_guard(device: str | None = None) -> Iterator[None]:
+    """Put the ops layers build inside it on `device`: "stage:k" is pipeline stage k
+    (fluidps.optimizer.PipelineOptimizer); Paddle's "gpu:k" (and its other devices'
+    "xpu:k", ...) mean stage k too, and "cpu" or None no stage. It sets Paddle's own
+    `op_device` attribute, so Paddle's pipeline programs read here and ours in Paddle.
+    Guards nest; leaving one restores the enclosing guard's device."""
+    parse_device(device or "", "device_guard")  # (checked now, where the mistake is)
+    token = _DEVICE.set(device or None)
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
+def current_device() -> str | None:
+    """The device of the innermost device_guard (None outside any)."""
+    return _DEVICE.get()

@@ -10,9 +10,9 @@ from fluidps.errors import BuilderError
 from fluidps.initializer import Constant, Xavier
 from fluidps.ir.operator import Operator
 from fluidps.ir.program import Block
-from fluidps.ir.types import VarType, to_vartype
+from fluidps.ir.types import OP_DEVICE_ATTR, VarType, to_vartype
 from fluidps.ir.variable import Parameter, Variable
-from fluidps.layers.guard import current_programs
+from fluidps.layers.guard import current_device, current_programs
 from fluidps.ops import REGISTRY
 from fluidps.param_attr import ParamAttr
 
@@ -97,6 +97,9 @@ class LayerHelper:
         outputs: Mapping[str, Any] | None = None,
         attrs: Mapping[str, Any] | None = None,
     ) -> Operator:
+        device = current_device()
+        if device is not None and not (attrs and OP_DEVICE_ATTR in attrs):
+            attrs = {**(attrs or {}), OP_DEVICE_ATTR: device}
         return REGISTRY.append_op(self.block, type, inputs, outputs, attrs)
 
     def unary(self, op_type: str, x: Variable, attrs: Mapping[str, Any] | None = None) -> Variable:

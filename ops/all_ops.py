@@ -18,6 +18,7 @@ from fluidps.ops import (
     matmul,
     metric,
     optimizers,
+    pipeline,
     pool,
     reader,
     reduce,
@@ -49,6 +50,7 @@ FAMILIES = (
     optimizers,
     distributed,
     distributed_lookup,
+    pipeline,
 )
 
 REGISTRY = OpRegistry(module.family for module in FAMILIES)

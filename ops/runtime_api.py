@@ -125,8 +125,22 @@ class ReaderHost(Protocol):
         """A new reader for the READER variable `name`, closing the one it replaces."""
 
 
+class StageChannel(Protocol):
+    """A pipeline stage's exchanges with the other stages (send_v2 / recv_v2): values of
+    the micro-batch the stage is running now."""
+
+    def send(self, peer: int, name: str, value: Any) -> None:
+        """Hand `value` of variable `name` to stage `peer`."""
+
+    def recv(self, peer: int, name: str) -> Any:
+        """The value of `name` stage `peer` sent (waiting for it, within the peer timeout)."""
+
+
 class KernelRuntime(Protocol):
     """A process's part in a job, as kernels see it."""
+
+    @property
+    def stages(self) -> StageChannel: ...
 
     @property
     def trainer(self) -> TrainerChannel: ...

@@ -18,6 +18,7 @@ from fluidps.optimizer.optimizers import (
     MomentumOptimizer,
     SGDOptimizer,
 )
+from fluidps.optimizer.pipeline import PipelineOptimizer
 from fluidps.optimizer.regularizer import L2Decay, L2DecayRegularizer
 
 __all__ = [
@@ -34,5 +35,6 @@ __all__ = [
     "Momentum",
     "MomentumOptimizer",
     "Optimizer",
+    "PipelineOptimizer",
     "SGDOptimizer",
 ]

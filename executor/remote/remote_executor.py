@@ -128,6 +128,11 @@ class RemoteExecutor:
             raise ExecutionError("RemoteExecutor.run needs a Program (fluidps has no default program)")
         if scope is not None:
             raise UnsupportedError("a RemoteExecutor keeps its values in the job: read and write exe.scope")
+        if program.pipeline is not None:
+            raise UnsupportedError(
+                "this program is a pipeline (PipelineOptimizer): a RemoteExecutor does not run pipeline stages "
+                "as processes yet; train it with fluidps.Executor, which runs its stages in one process"
+            )
         feed = dict(feed or {})
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
         if _trains(program):

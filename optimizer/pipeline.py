@@ -1,0 +1,89 @@
+"""PipelineOptimizer: an optimizer whose program trains as a pipeline of stages.
+
+    with fluidps.device_guard("stage:0"):
+        h = layers.fc(x, 256, act="relu")
+    with fluidps.device_guard("stage:1"):
+        loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 10), y))
+    fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.Adam(1e-3), num_microbatches=4).minimize(loss)
+
+`minimize` places every forward op on a stage (fluidps.ir.stages), builds the
+usual backward and update ops (grad ops carry their forward op's op_device),
+writes each op's stage into its op_device, and records the PipelineConfig on
+the program. The program stays an ordinary training program: an Executor runs
+it micro-batch by micro-batch through its stages (the same results as the
+whole batch at once), fluidps.PipelineTranspiler cuts it into one program per
+stage, and a RemoteExecutor runs those as processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from fluidps.errors import BuilderError
+from fluidps.ir.devices import PipelineConfig, stage_device
+from fluidps.ir.operator import Operator
+from fluidps.ir.program import Program
+from fluidps.ir.stages import EVERY_STAGE, assign_stages
+from fluidps.ir.types import OP_DEVICE_ATTR
+from fluidps.ir.variable import Parameter, Variable
+from fluidps.optimizer.base import Optimizer
+
+
+class PipelineOptimizer:
+    """`inner` (SGD, Adam, ...) applied once a mini-batch to the sum of the gradients
+    of its `num_microbatches` micro-batches (the loss gradient scaled by
+    1 / num_microbatches), on `schedule_mode` "1F1B" (the default) or "F-then-B"
+    (GPipe). `num_stages`: how many stages the program must have (default: as
+    many as its device_guards name); with one, a pipeline is gradient accumulation."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        num_microbatches: int = 1,
+        schedule_mode: str = "1F1B",
+        num_stages: int | None = None,
+    ):
+        if not isinstance(optimizer, Optimizer):
+            raise BuilderError(
+                f"PipelineOptimizer wraps an optimizer (SGD, Adam, ...), got {type(optimizer).__name__}"
+            )
+        PipelineConfig(
+            num_microbatches, schedule_mode, 1 if num_stages is None else num_stages
+        )  # checked now
+        self.inner = optimizer
+        self.num_microbatches = num_microbatches
+        self.schedule_mode = schedule_mode
+        self.num_stages = num_stages
+
+    def minimize(
+        self,
+        loss: Variable,
+        startup_program: Program | None = None,
+        parameter_list: Sequence[Parameter | str] | None = None,
+        no_grad_set: Iterable[Variable | str] | None = None,
+    ) -> tuple[list[Operator], list[tuple[Parameter, Variable]]]:
+        """As Optimizer.minimize, on a program whose ops are placed on stages."""
+        program = loss.block.program
+        if program.pipeline is not None:
+            raise BuilderError(
+                "PipelineOptimizer.minimize: the program is a pipeline already (minimize once)"
+            )
+        block = program.global_block()
+        if self.num_stages is None and not any(
+            op.attr(OP_DEVICE_ATTR) for op in block.ops if op.has_attr(OP_DEVICE_ATTR)
+        ):
+            raise BuilderError(
+                "PipelineOptimizer: no op of the program is placed on a stage, so it would run as one stage: "
+                "build its layers inside fluidps.device_guard('stage:k'), or say num_stages=1 for gradient "
+                "accumulation alone"
+            )
+        forward = assign_stages(program, self.num_stages)
+        for op, stage in zip(block.ops, forward.op_stages, strict=True):
+            op.set_attr(OP_DEVICE_ATTR, stage_device(stage))  # (backward copies it onto the grad ops)
+        result = self.inner.minimize(loss, startup_program, parameter_list, no_grad_set)
+        placed = assign_stages(program, forward.num_stages)
+        for op, stage in zip(block.ops, placed.op_stages, strict=True):
+            if stage != EVERY_STAGE and not (op.has_attr(OP_DEVICE_ATTR) and op.attr(OP_DEVICE_ATTR)):
+                op.set_attr(OP_DEVICE_ATTR, stage_device(stage))
+        program.pipeline = PipelineConfig(self.num_microbatches, self.schedule_mode, placed.num_stages)
+        return result

@@ -1,0 +1,232 @@
+"""PipelineTranspiler: one training program in, one program per pipeline stage out.
+
+    plan = fluidps.PipelineTranspiler().transpile(main)   # main: PipelineOptimizer's
+    print(plan.summary())
+    section = plan.stages[0].program
+
+Each stage's section program holds the ops fluidps.ir.stages places on it, in
+their order, and what makes the stages one model:
+
+- where a value crosses stages, a send_v2 on the stage that makes it and a
+  recv_v2 on the one that reads it: activations going forward, their gradients
+  coming back (a gradient read on several stages is summed where its variable
+  is made, from the parts the others send);
+- the loss gradient's seed is 1 / m: the m micro-batches' gradients add up to
+  the mini-batch's;
+- each parameter's gradient is added into `<grad>@MERGED` after each
+  micro-batch's backward; the update ops read that, once a mini-batch, and then
+  zero it.
+
+The input program is never changed; the plan holds copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from fluidps.errors import UnsupportedError
+from fluidps.ir.devices import PipelineConfig
+from fluidps.ir.operator import Operator
+from fluidps.ir.program import Block, Program
+from fluidps.ir.stages import EVERY_STAGE, StageMap, assign_stages, phase
+from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_ATTR, OpRole, VarType, to_numpy_dtype
+from fluidps.ops import REGISTRY, verify
+from fluidps.transpiler.analysis import analyze
+from fluidps.transpiler.pipeline_plan import Crossing, PipelinePlan, StagePlan, dtype_size
+
+MERGED_SUFFIX = "@MERGED"
+_ROLE = {"forward": OpRole.Forward, "backward": OpRole.Backward, "optimize": OpRole.Optimize}
+
+
+class PipelineTranspiler:
+    """A pass: `transpile(program)` returns a PipelinePlan and never changes `program`."""
+
+    def transpile(self, program: Program, config: PipelineConfig | None = None) -> PipelinePlan:
+        config = config or program.pipeline
+        if config is None:
+            raise UnsupportedError(
+                "PipelineTranspiler: the program has no pipeline configuration: minimize its loss with "
+                "fluidps.optimizer.PipelineOptimizer, or pass a fluidps.ir.devices.PipelineConfig"
+            )
+        stages = assign_stages(program, config.num_stages)
+        roles = analyze(program)
+        block = program.global_block()
+        owners = {u.param: stages.owner(u.param) for u in roles.updates}
+        for u in roles.updates:
+            grad = block.find_var(u.grad)
+            if grad is not None and grad.type == VarType.SELECTED_ROWS:
+                raise UnsupportedError(
+                    f"parameter {u.param!r} has a sparse gradient ({u.grad}): a pipeline accumulates dense "
+                    "gradients; build its embedding with is_sparse=False"
+                )
+        crossings = _crossings(block, stages)
+        plans = tuple(
+            _stage_plan(program, stages, s, crossings, roles.updates, owners, config)
+            for s in range(stages.num_stages)
+        )
+        return PipelinePlan(config, plans, tuple(crossings))
+
+
+def _names(names: Iterable[str]) -> list[str]:
+    return [n for n in names if n != EMPTY_VAR_NAME]
+
+
+def _crossings(block: Block, stages: StageMap) -> list[Crossing]:
+    """Every (variable, from stage, to stage) a micro-batch sends, in program order."""
+    persistable = {n for n, v in block.vars.items() if v.persistable}
+    made: dict[str, tuple[int, str]] = {}  # name -> (stage, phase) of the op that makes it
+    out: dict[tuple[str, int], Crossing] = {}
+    for op, stage in zip(block.ops, stages.op_stages, strict=True):
+        kind = phase(op)
+        if kind == "optimize":
+            continue
+        for name in _names(op.input_arg_names):
+            if name in persistable or name not in made or made[name][0] == stage:
+                continue
+            src, src_phase = made[name]
+            if (name, stage) not in out:
+                var = block.var(name)
+                shape = tuple(var.shape or ())
+                out[(name, stage)] = Crossing(name, src, stage, src_phase, shape, dtype_size(var.dtype))
+        for name in _names(op.output_arg_names):
+            if name not in persistable:
+                made.setdefault(name, (stage, kind))
+    return list(out.values())
+
+
+def _stage_plan(
+    program: Program,
+    stages: StageMap,
+    stage: int,
+    crossings: list[Crossing],
+    updates,
+    owners: dict[str, int],
+    config: PipelineConfig,
+) -> StagePlan:
+    section = program.clone()
+    section.pipeline = None  # (a stage's programs run as they are)
+    block = section.global_block()
+    updating = any(owner == stage for owner in owners.values())
+    mine = {"forward": [], "backward": [], "optimize": []}
+    for op, placed in zip(list(block.ops), stages.op_stages, strict=True):
+        if placed == stage or (placed == EVERY_STAGE and updating):
+            mine[phase(op)].append(op)
+    compute_ops = sum(len(v) for v in mine.values())
+    m = config.num_microbatches
+    for op in mine["backward"]:  # the seed of the loss gradient: 1 / m of it per micro-batch
+        if op.attr(OP_ROLE_ATTR) == int(OpRole.Backward | OpRole.Loss):
+            op.set_attr("value", 1.0 / m)
+
+    def comm(kind: str, crossing: Crossing, send: bool) -> Operator:
+        attrs = {"peer": crossing.dst if send else crossing.src, OP_ROLE_ATTR: int(_ROLE[kind])}
+        if send:
+            return REGISTRY.append_op(block, "send_v2", {"X": [crossing.var]}, {}, attrs)
+        var = block.var(crossing.var)
+        attrs.update(out_shape=list(var.shape or ()), dtype=int(var.dtype))
+        return REGISTRY.append_op(block, "recv_v2", {}, {"Out": [crossing.var]}, attrs)
+
+    ordered: list[Operator] = []
+    for kind in ("forward", "backward"):
+        ordered += [comm(kind, c, False) for c in crossings if c.dst == stage and c.phase == kind]
+        ordered += mine[kind]
+        if kind == "backward":
+            ordered += _accumulate(block, stage, updates, owners)
+        ordered += [comm(kind, c, True) for c in crossings if c.src == stage and c.phase == kind]
+    ordered += _merged_updates(block, mine["optimize"], stage, updates, owners)
+    block.ops = ordered
+    _drop_unused_vars(block)
+    verify(section)
+
+    forward, backward, optimize = (_phase_program(section, k) for k in ("forward", "backward", "optimize"))
+    params = tuple(p for p, owner in owners.items() if owner == stage)
+    persistable = {n for n, v in block.vars.items() if v.persistable}
+    fwd_block, bwd_block = forward.global_block(), backward.global_block()
+    fwd_made = {n for op in fwd_block.ops for n in _names(op.output_arg_names)}
+    bwd_made = {n for op in bwd_block.ops for n in _names(op.output_arg_names)}
+    bwd_reads = dict.fromkeys(n for op in bwd_block.ops for n in _names(op.input_arg_names))
+    stash = tuple(n for n in bwd_reads if n not in persistable and n not in bwd_made)
+    all_made = {n for op in program.global_block().ops for n in _names(op.output_arg_names)}
+    fwd_reads = dict.fromkeys(n for op in fwd_block.ops for n in _names(op.input_arg_names))
+    feeds = tuple(n for n in fwd_reads if n not in persistable and n not in all_made)
+    return StagePlan(
+        stage=stage,
+        program=section,
+        forward=forward,
+        backward=backward,
+        optimize=optimize,
+        params=params,
+        param_bytes=sum(_nbytes(block, p) for p in params),
+        feeds=feeds,
+        stash=stash,
+        accumulators=tuple(
+            (
+                n + MERGED_SUFFIX,
+                tuple(block.var(n + MERGED_SUFFIX).shape),
+                _np_dtype(block, n + MERGED_SUFFIX),
+            )
+            for n in (u.grad for u in updates if owners[u.param] == stage)
+        ),
+        made=frozenset(n for n in fwd_made if n not in persistable),
+        ops=compute_ops,
+    )
+
+
+def _accumulate(block: Block, stage: int, updates, owners: dict[str, int]) -> list[Operator]:
+    """After each micro-batch's backward: <grad>@MERGED += <grad>, for the parameters it owns."""
+    ops = []
+    for u in updates:
+        if owners[u.param] != stage:
+            continue
+        param = block.var(u.param)
+        merged = u.grad + MERGED_SUFFIX
+        block.create_var(merged, shape=list(param.shape), dtype=param.dtype, persistable=True)
+        role = {OP_ROLE_ATTR: int(OpRole.Backward)}
+        ops.append(REGISTRY.append_op(block, "sum", {"X": [merged, u.grad]}, {"Out": [merged]}, role))
+    return ops
+
+
+def _merged_updates(block: Block, optimize: list[Operator], stage: int, updates, owners) -> list[Operator]:
+    """The update ops read the gradients summed over the micro-batches, then zero them."""
+    grads = [u.grad for u in updates if owners[u.param] == stage]
+    for op in optimize:
+        for grad in grads:
+            if grad in op.input_arg_names:
+                op.rename_input(grad, grad + MERGED_SUFFIX)
+    zeros = []
+    for grad in grads:
+        var = block.var(grad + MERGED_SUFFIX)
+        attrs = {
+            "shape": list(var.shape),
+            "dtype": int(var.dtype),
+            "value": 0.0,
+            OP_ROLE_ATTR: int(OpRole.Optimize),
+        }
+        zeros.append(REGISTRY.append_op(block, "fill_constant", {}, {"Out": [var.name]}, attrs))
+    return optimize + zeros
+
+
+def _phase_program(section: Program, kind: str) -> Program:
+    program = section.clone()
+    block = program.global_block()
+    block.ops = [op for op in block.ops if phase(op) == kind]
+    _drop_unused_vars(block)
+    return program
+
+
+def _drop_unused_vars(block: Block) -> None:
+    """Drop the variables of `block` no op of the program uses (sub-blocks' ops count)."""
+    used = {n for b in block.program.blocks for op in b.ops for n in op.input_arg_names + op.output_arg_names}
+    for name in [n for n in block.vars if n not in used]:
+        block.remove_var(name)
+
+
+def _nbytes(block: Block, name: str) -> int:
+    var = block.var(name)
+    count = 1
+    for d in var.shape or ():
+        count *= max(d, 1)
+    return count * to_numpy_dtype(var.dtype).itemsize
+
+
+def _np_dtype(block: Block, name: str) -> str:
+    return str(to_numpy_dtype(block.var(name).dtype))

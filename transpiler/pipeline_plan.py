@@ -1,0 +1,111 @@
+"""PipelinePlan: what PipelineTranspiler made, read-only.
+
+One StagePlan per stage: its section program (the ops of the stage, in order:
+forward, backward, optimize, with the send_v2 / recv_v2 of every value that
+crosses stages), that program's three phases as programs of their own (what
+runs once per micro-batch forward, once per micro-batch backward, and once per
+mini-batch), and what a schedule needs to know: which data variables it reads,
+which values a micro-batch's forward keeps for its backward. The schedules are
+data too (`schedule`): a list of ("F", k) and ("B", k) actions per stage.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fluidps.ir.devices import PipelineConfig
+from fluidps.ir.program import Program
+from fluidps.ir.types import to_numpy_dtype
+
+FORWARD, BACKWARD = "F", "B"
+Action = tuple[str, int]  # (FORWARD or BACKWARD, micro-batch)
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """Variable `var` goes from stage `src` to stage `dst` once a micro-batch, in the
+    forward phase (an activation) or the backward one (a gradient)."""
+
+    var: str
+    src: int
+    dst: int
+    phase: str  # "forward" or "backward"
+    shape: tuple[int, ...]  # as declared; -1: the micro-batch's rows
+    dtype_size: int
+
+    def nbytes(self, rows: int) -> int:
+        return self.dtype_size * math.prod(rows if d == -1 else d for d in self.shape)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    program: Program  # the section program: every op of the stage, in order
+    forward: Program
+    backward: Program
+    optimize: Program
+    params: tuple[str, ...]  # the parameters it updates (and owns)
+    param_bytes: int
+    feeds: tuple[str, ...]  # data variables its forward reads
+    stash: tuple[str, ...]  # what a micro-batch's forward keeps for its backward
+    accumulators: tuple[
+        tuple[str, tuple[int, ...], str], ...
+    ]  # (name, shape, numpy dtype), zeroed at the start
+    made: frozenset[str]  # non-persistable variables its forward makes (fetchable per micro-batch)
+    ops: int  # compute ops (send_v2 / recv_v2 not counted)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    config: PipelineConfig
+    stages: tuple[StagePlan, ...]
+    crossings: tuple[Crossing, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def receives(self, stage: int, phase: str) -> tuple[Crossing, ...]:
+        return tuple(c for c in self.crossings if c.dst == stage and c.phase == phase)
+
+    def schedule(self, stage: int) -> tuple[Action, ...]:
+        """Stage `stage`'s actions for one mini-batch, in order (then its optimize phase)."""
+        return schedule(self.config.schedule_mode, stage, self.num_stages, self.config.num_microbatches)
+
+    def summary(self, batch_rows: int | None = None) -> str:
+        """A table of the stages: ops, parameter bytes, and bytes each sends per
+        micro-batch (per micro-batch row when `batch_rows`, the mini-batch's, is not given)."""
+        m = self.config.num_microbatches
+        rows = batch_rows // m if batch_rows else 1
+        unit = "bytes sent per micro-batch" if batch_rows else "bytes sent per micro-batch row"
+        lines = [
+            f"pipeline: {self.num_stages} stages, {m} micro-batches, schedule {self.config.schedule_mode}",
+            f"{'stage':>5}  {'ops':>5}  {'params':>6}  {'param bytes':>12}  {unit}",
+        ]
+        for s in self.stages:
+            sent = sum(c.nbytes(rows) for c in self.crossings if c.src == s.stage)
+            lines.append(f"{s.stage:>5}  {s.ops:>5}  {len(s.params):>6}  {s.param_bytes:>12,}  {sent:,}")
+        for c in self.crossings:
+            lines.append(f"  {c.phase:>8}: {c.var} stage {c.src} -> {c.dst} {list(c.shape)}")
+        return "\n".join(lines)
+
+
+def schedule(mode: str, stage: int, num_stages: int, micro_batches: int) -> tuple[Action, ...]:
+    """F-then-B: every forward, then every backward. 1F1B: as many forwards as the
+    stages after this one need to fill up (num_stages - stage - 1), then one
+    backward after each forward, then the backwards left; a stage holds at most
+    num_stages - stage micro-batches' activations (m, when fewer)."""
+    m = micro_batches
+    if mode == "F-then-B":
+        return tuple((FORWARD, k) for k in range(m)) + tuple((BACKWARD, k) for k in range(m))
+    warmup = min(num_stages - stage - 1, m)
+    actions: list[Action] = [(FORWARD, k) for k in range(warmup)]
+    for k in range(warmup, m):
+        actions += [(FORWARD, k), (BACKWARD, k - warmup)]
+    actions += [(BACKWARD, k) for k in range(m - warmup, m)]
+    return tuple(actions)
+
+
+def dtype_size(dtype) -> int:
+    return to_numpy_dtype(dtype).itemsize
