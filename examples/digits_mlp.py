@@ -46,20 +46,26 @@ def build(hidden: int = 256, learning_rate: float = 0.001, seed: int = 1):
     return main, startup, test_program, loss, accuracy
 
 
-def fit(model, data, epochs: int, batch_size: int, seed: int, progress: bool, name: str) -> dict:
+def fit(
+    model, data, epochs: int, batch_size: int, seed: int, progress: bool, name: str, drop_last: bool = False
+) -> dict:
     """Train `model` = (main, startup, test_program, loss, accuracy) on `data` =
-    (x_train, x_test, y_train, y_test) with shuffled mini-batches; evaluate once."""
+    (x_train, x_test, y_train, y_test) with shuffled mini-batches; evaluate once.
+    `drop_last`: skip each epoch's last, smaller batch (a pipeline cuts every batch
+    into equal micro-batches)."""
     main, startup, test_program, loss, accuracy = model
     x_train, x_test, y_train, y_test = data
     exe = fluidps.Executor()
     exe.run(startup)
     rng = np.random.default_rng(seed)
-    steps = epochs * int(np.ceil(len(x_train) / batch_size))
+    per_epoch = len(x_train) // batch_size if drop_last else int(np.ceil(len(x_train) / batch_size))
+    steps = epochs * per_epoch
     bar = tqdm(total=steps, desc=name, unit="step", disable=not progress)
+    loss_value = float("nan")  # (no epochs: nothing trained)
     start = time.perf_counter()
     for epoch in range(epochs):
         order = rng.permutation(len(x_train))
-        for i in range(0, len(order), batch_size):
+        for i in range(0, per_epoch * batch_size, batch_size):
             idx = order[i : i + batch_size]
             (loss_value,) = exe.run(
                 main, feed={"image": x_train[idx], "label": y_train[idx]}, fetch_list=[loss]

@@ -3,15 +3,23 @@
 Op nodes and variable nodes alternate: an edge var -> op is a read (labelled
 with the slot), op -> var a write. Sub-blocks are DOT clusters, joined to the
 op that owns them by a dashed edge; a variable only one sub-block's ops use is drawn
-in that block's cluster.
+in that block's cluster. In a pipeline program (ops with an op_device), each op is
+filled with its stage's colour, and a legend names the colours.
 """
 
 from __future__ import annotations
 
 import networkx as nx
 
+from fluidps.errors import Error
+from fluidps.ir.devices import parse_device
 from fluidps.ir.program import Block, Program
-from fluidps.ir.types import EMPTY_VAR_NAME, AttrType, dtype_name
+from fluidps.ir.types import EMPTY_VAR_NAME, OP_DEVICE_ATTR, AttrType, dtype_name
+
+# A stage's fill: strong enough to tell from the pale fills of ops without a stage
+# (yellow) and of parameters (blue), and from one another.
+STAGE_COLOURS = ("#f6b26b", "#93c47d", "#b4a7d6", "#76a5af", "#ea9999", "#c27ba0", "#a2c4c9", "#ffd966")
+_OP_FILL = "#fff2cc"
 
 
 def op_node(block: Block, index: int) -> str:
@@ -31,7 +39,7 @@ def to_networkx(program: Program, block_idx: int | None = None) -> nx.MultiDiGra
     for block in blocks:
         for i, op in enumerate(block.ops):
             node = op_node(block, i)
-            graph.add_node(node, kind="op", type=op.type, block=block.idx, index=i)
+            graph.add_node(node, kind="op", type=op.type, block=block.idx, index=i, stage=_stage(op))
             for edges, is_input in ((op.inputs, True), (op.outputs, False)):
                 for slot, names in edges.items():
                     for name in names:
@@ -51,6 +59,16 @@ def to_networkx(program: Program, block_idx: int | None = None) -> nx.MultiDiGra
                         value if isinstance(value, list) else [value]
                     )
     return graph
+
+
+def _stage(op) -> int | None:
+    """The pipeline stage op_device names (None: none, or a device no stage reads from)."""
+    if not op.has_attr(OP_DEVICE_ATTR):
+        return None
+    try:
+        return parse_device(op.attr(OP_DEVICE_ATTR))
+    except Error:
+        return None
 
 
 def _add_var(graph: nx.MultiDiGraph, node: str, block: Block, name: str) -> None:
@@ -97,6 +115,18 @@ def to_dot(program: Program, block_idx: int | None = None) -> str:
         for node in by_block[idx]:
             lines.append(f"    {_quote(node)} [{_node_style(graph.nodes[node])}];")
         lines.append("  }")
+    stages = sorted({d["stage"] for _, d in graph.nodes(data=True) if d.get("stage") is not None})
+    if stages:  # which colour is which stage, in order
+        lines.append('  subgraph cluster_legend {\n    label="stages"; style="rounded"; color="#999999";')
+        keys = [(f"legend:{s}", _colour(s), f"stage {s}") for s in stages]
+        if any(d["kind"] == "op" and d.get("stage") is None for _, d in graph.nodes(data=True)):
+            keys.append(("legend:none", _OP_FILL, "no stage"))
+        for node, fill, label in keys:
+            lines.append(
+                f'    "{node}" [shape=box, style="rounded,filled", fillcolor="{fill}", label="{label}"];'
+            )
+        lines.append("    " + " -> ".join(f'"{node}"' for node, _, _ in keys) + " [style=invis];")
+        lines.append("  }")
     for src, dst, data in graph.edges(data=True):
         lines.append(f"  {_quote(src)} -> {_quote(dst)} [label={_quote(data['slot'])}];")
     for node, data in graph.nodes(data=True):
@@ -124,7 +154,8 @@ def _drawn_in(graph: nx.MultiDiGraph, node: str, data: dict) -> int:
 
 def _node_style(data: dict) -> str:
     if data["kind"] == "op":
-        return f'shape=box, style="rounded,filled", fillcolor="#fff2cc", label={_quote(data["type"])}'
+        fill = _OP_FILL if data.get("stage") is None else _colour(data["stage"])
+        return f'shape=box, style="rounded,filled", fillcolor="{fill}", label={_quote(data["type"])}'
     shape = "" if data["shape"] is None else str(data["shape"])
     label = _quote(f"{data['name']}\n{shape} {data['dtype'] or ''}".rstrip())
     if data["parameter"]:
@@ -134,3 +165,7 @@ def _node_style(data: dict) -> str:
     if not data["declared"]:
         return f'shape=ellipse, style=dashed, color="#cc0000", label={label}'
     return f"shape=ellipse, label={label}"
+
+
+def _colour(stage: int) -> str:
+    return STAGE_COLOURS[stage % len(STAGE_COLOURS)]

@@ -64,7 +64,8 @@ class PipelineTranspiler:
             _stage_plan(program, stages, s, crossings, roles.updates, owners, config)
             for s in range(stages.num_stages)
         )
-        return PipelinePlan(config, plans, tuple(crossings))
+        placement = tuple((op.type, stage) for op, stage in zip(block.ops, stages.op_stages, strict=True))
+        return PipelinePlan(config, plans, tuple(crossings), placement)
 
 
 def _names(names: Iterable[str]) -> list[str]:

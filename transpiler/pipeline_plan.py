@@ -61,6 +61,9 @@ class PipelinePlan:
     config: PipelineConfig
     stages: tuple[StagePlan, ...]
     crossings: tuple[Crossing, ...]
+    placement: tuple[
+        tuple[str, int], ...
+    ] = ()  # per op of the input's block 0: (type, stage; -1: every stage)
 
     @property
     def num_stages(self) -> int:
@@ -89,6 +92,39 @@ class PipelinePlan:
         for c in self.crossings:
             lines.append(f"  {c.phase:>8}: {c.var} stage {c.src} -> {c.dst} {list(c.shape)}")
         return "\n".join(lines)
+
+
+def placement_table(plan: PipelinePlan) -> str:
+    """Each op of the input program and the stage it runs on."""
+    lines = [f"{'op':>5}  {'stage':>5}  type"]
+    for i, (op_type, stage) in enumerate(plan.placement):
+        lines.append(f"{i:>5}  {'every' if stage < 0 else stage:>5}  {op_type}")
+    return "\n".join(lines)
+
+
+def plan_to_dict(plan: PipelinePlan) -> dict:
+    """The plan as JSON-ready data (programs left out)."""
+    return {
+        "num_stages": plan.num_stages,
+        "num_microbatches": plan.config.num_microbatches,
+        "schedule_mode": plan.config.schedule_mode,
+        "stages": [
+            {
+                "stage": s.stage,
+                "ops": s.ops,
+                "params": list(s.params),
+                "param_bytes": s.param_bytes,
+                "feeds": list(s.feeds),
+                "schedule": [f"{kind}{k}" for kind, k in plan.schedule(s.stage)],
+            }
+            for s in plan.stages
+        ],
+        "crossings": [
+            {"var": c.var, "from": c.src, "to": c.dst, "phase": c.phase, "shape": list(c.shape)}
+            for c in plan.crossings
+        ],
+        "placement": [{"op": i, "type": t, "stage": s} for i, (t, s) in enumerate(plan.placement)],
+    }
 
 
 def schedule(mode: str, stage: int, num_stages: int, micro_batches: int) -> tuple[Action, ...]:

@@ -22,6 +22,17 @@ def test_digits_mlp_reaches_97_percent():
     assert metrics["test_accuracy"] >= 0.97
 
 
+def test_digits_pipeline_reaches_97_percent_on_two_stages(tmp_path):
+    import digits_pipeline
+
+    metrics = digits_pipeline.train(progress=False, out=tmp_path)
+    assert metrics["test_accuracy"] >= 0.97
+    import fluidps
+
+    saved = fluidps.Program.parse_from_string((tmp_path / "main.pb").read_bytes())
+    assert {op.attr("op_device") for op in saved.global_block().ops} == {"stage:0", "stage:1"}
+
+
 def test_digits_lenet_reaches_98_percent():
     import digits_lenet
 

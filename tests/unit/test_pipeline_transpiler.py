@@ -3,6 +3,10 @@ PipelineTranspiler's stage programs, schedules and refusals."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -10,6 +14,7 @@ import fluidps
 from fluidps import layers
 from fluidps.errors import BuilderError, FeedError, UnsupportedError
 from fluidps.ir.devices import PipelineConfig, parse_device
+from fluidps.ir.graph import STAGE_COLOURS, to_dot
 from fluidps.ir.stages import assign_stages
 from fluidps.ops import REGISTRY
 from fluidps.transpiler.pipeline_plan import schedule
@@ -279,3 +284,52 @@ def test_the_transpiler_needs_a_pipeline_program():
         fluidps.optimizer.SGD(0.1).minimize(layers.mean(layers.fc(layers.data("x", [4]), 1)))
     with pytest.raises(UnsupportedError, match="no pipeline configuration: minimize its loss with"):
         fluidps.PipelineTranspiler().transpile(main)
+
+
+# -- seeing the cut ------------------------------------------------------------------------
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fluidps", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_fluidps_transpile_pipeline_writes_each_stage_and_the_placement(tmp_path):
+    main, _, _ = two_stage_mlp(m=2)
+    (tmp_path / "main.pb").write_bytes(main.serialize_to_string())  # (the file keeps op_device, not m)
+    out = tmp_path / "stages"
+    result = run_cli(
+        "transpile", str(tmp_path / "main.pb"), "--pipeline", "--microbatches", "4", "-o", str(out)
+    )
+    assert result.returncode == 0, result.stderr
+    assert "2 stages, 4 micro-batches, schedule 1F1B" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "placement.json", "placement.txt", "stage_0.dot", "stage_0.pb", "stage_1.dot", "stage_1.pb",
+    ]  # fmt: skip
+    plan = fluidps.PipelineTranspiler().transpile(main, PipelineConfig(4, "1F1B", 2))
+    for s in plan.stages:  # the files are the plan's programs
+        assert (out / f"stage_{s.stage}.pb").read_bytes() == s.program.serialize_to_string()
+    data = json.loads((out / "placement.json").read_text())
+    assert [p["stage"] for p in data["placement"]] == [
+        int(op.attr("op_device").split(":")[1]) for op in main.global_block().ops
+    ]
+    assert data["stages"][0]["schedule"] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert "    0      0  mul" in (out / "placement.txt").read_text()
+    refused = run_cli("transpile", str(tmp_path / "main.pb"), "-o", str(out))
+    assert refused.returncode != 0 and "--startup and --pservers are needed" in refused.stderr
+
+
+def test_fluidps_dot_fills_each_op_with_its_stages_colour_and_a_legend(tmp_path):
+    main, _, _ = two_stage_mlp()
+    dot = to_dot(main)
+    stage_of = {i: int(op.attr("op_device").split(":")[1]) for i, op in enumerate(main.global_block().ops)}
+    for i, stage in stage_of.items():
+        assert f'"op:0:{i}" [shape=box, style="rounded,filled", fillcolor="{STAGE_COLOURS[stage]}"' in dot
+    assert (
+        f'"legend:0" [shape=box, style="rounded,filled", fillcolor="{STAGE_COLOURS[0]}", label="stage 0"]'
+        in dot
+    )
+    assert '"legend:0" -> "legend:1" [style=invis]' in dot
+    plain = to_dot(fluidps.Program())
+    assert "legend" not in plain
