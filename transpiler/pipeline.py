@@ -112,7 +112,6 @@ def _stage_plan(
     for op, placed in zip(list(block.ops), stages.op_stages, strict=True):
         if placed == stage or (placed == EVERY_STAGE and updating):
             mine[phase(op)].append(op)
-    compute_ops = sum(len(v) for v in mine.values())
     m = config.num_microbatches
     for op in mine["backward"]:  # the seed of the loss gradient: 1 / m of it per micro-batch
         if op.attr(OP_ROLE_ATTR) == int(OpRole.Backward | OpRole.Loss):
@@ -137,18 +136,37 @@ def _stage_plan(
     block.ops = ordered
     _drop_unused_vars(block)
     verify(section)
+    return stage_plan(section, stage)
 
+
+def stage_plan(section: Program, stage: int) -> StagePlan:
+    """What a schedule needs to know of stage `stage`'s section program (as the
+    transpiler made it): its phases as programs, its parameters, the data it reads,
+    what a micro-batch's forward keeps for its backward. A stage process, handed only
+    its section program, learns the same from it."""
+    block = section.global_block()
     forward, backward, optimize = (_phase_program(section, k) for k in ("forward", "backward", "optimize"))
-    params = tuple(p for p, owner in owners.items() if owner == stage)
     persistable = {n for n, v in block.vars.items() if v.persistable}
     fwd_block, bwd_block = forward.global_block(), backward.global_block()
     fwd_made = {n for op in fwd_block.ops for n in _names(op.output_arg_names)}
     bwd_made = {n for op in bwd_block.ops for n in _names(op.output_arg_names)}
     bwd_reads = dict.fromkeys(n for op in bwd_block.ops for n in _names(op.input_arg_names))
     stash = tuple(n for n in bwd_reads if n not in persistable and n not in bwd_made)
-    all_made = {n for op in program.global_block().ops for n in _names(op.output_arg_names)}
     fwd_reads = dict.fromkeys(n for op in fwd_block.ops for n in _names(op.input_arg_names))
-    feeds = tuple(n for n in fwd_reads if n not in persistable and n not in all_made)
+    feeds = tuple(n for n in fwd_reads if n not in persistable and n not in fwd_made)
+    params = tuple(
+        dict.fromkeys(
+            op.input("Param")[0]
+            for op in optimize.global_block().ops
+            if op.input("Param") and op.output("ParamOut")
+        )
+    )
+    merged = [n for n in block.vars if n.endswith(MERGED_SUFFIX)]
+    compute = [
+        op
+        for op in block.ops
+        if op.type not in ("send_v2", "recv_v2") and not set(op.output_arg_names) & set(merged)
+    ]
     return StagePlan(
         stage=stage,
         program=section,
@@ -159,16 +177,9 @@ def _stage_plan(
         param_bytes=sum(_nbytes(block, p) for p in params),
         feeds=feeds,
         stash=stash,
-        accumulators=tuple(
-            (
-                n + MERGED_SUFFIX,
-                tuple(block.var(n + MERGED_SUFFIX).shape),
-                _np_dtype(block, n + MERGED_SUFFIX),
-            )
-            for n in (u.grad for u in updates if owners[u.param] == stage)
-        ),
+        accumulators=tuple((n, tuple(block.var(n).shape), _np_dtype(block, n)) for n in merged),
         made=frozenset(n for n in fwd_made if n not in persistable),
-        ops=compute_ops,
+        ops=len(compute),
     )
 
 

@@ -18,19 +18,16 @@ over the micro-batches, persistable values as the step left them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from fluidps.errors import ExecutionError, FeedError
-from fluidps.ir.program import Program
+from fluidps.errors import ExecutionError
+from fluidps.executor.pipeline.stage import RunProgram, StageRunner, split_feed
 from fluidps.transpiler.pipeline_plan import FORWARD, PipelinePlan
 
-# (program, feed, fetch names, scope) -> fetched values: an Executor's run, whose
-# runtime has this pipeline's channel attached.
-RunProgram = Callable[[Program, Mapping[str, Any], Sequence[str], Any], list[Any]]
-_MEANS = frozenset({"mean", "reduce_mean"})  # a fetched mean of a micro-batch: averaged over them
+__all__ = ["LocalChannel", "LocalPipeline", "RunProgram"]
 
 
 class LocalChannel:
@@ -66,59 +63,40 @@ class LocalPipeline:
 
     def __init__(self, plan: PipelinePlan, run: RunProgram, channel: LocalChannel):
         self.plan = plan
-        self._run = run
         self._channel = channel
-        self.peak_live = [0] * plan.num_stages  # most micro-batches' activations a stage held at once
+        self.runners = [StageRunner(s, plan.config, run, channel) for s in plan.stages]
         self.steps = 0
 
+    @property
+    def peak_live(self) -> list[int]:
+        """Per stage, the most micro-batches' activations it held at once."""
+        return [r.peak_live for r in self.runners]
+
     def step(self, scope: Any, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> list[Any]:
-        plan, m = self.plan, self.plan.config.num_microbatches
-        micro = split_feed(feed, m, {n for s in plan.stages for n in s.feeds})
+        plan = self.plan
+        micro = split_feed(feed, plan.config.num_microbatches, {n for s in plan.stages for n in s.feeds})
         owner = self._fetch_stages(fetch_names, scope)
-        for stage in plan.stages:  # the gradient sums start at zero
-            for name, shape, dtype in stage.accumulators:
-                if scope.find(name) is None:
-                    scope[name] = np.zeros(shape, dtype)
-        fetched: dict[str, list[Any]] = {n: [] for n, s in owner.items() if s is not None}
-        stash: list[dict[int, dict[str, Any]]] = [{} for _ in plan.stages]
-        schedules = [plan.schedule(s.stage) for s in plan.stages]
-        position = [0] * plan.num_stages
         self._channel.clear()
-        while any(p < len(a) for p, a in zip(position, schedules, strict=True)):
+        for runner in self.runners:
+            runner.begin(scope, micro, fetch_names)
+        while any(r.next_action is not None for r in self.runners):
             progressed = False
-            for s, actions in enumerate(schedules):
-                while position[s] < len(actions) and self._ready(s, *actions[position[s]]):
-                    kind, k = actions[position[s]]
-                    self._channel.stage, self._channel.micro_batch = s, k
-                    stage = plan.stages[s]
-                    if kind == FORWARD:
-                        wanted = [n for n, o in owner.items() if o == s]
-                        values = self._run(
-                            stage.forward,
-                            {n: micro[k][n] for n in stage.feeds},
-                            [*stage.stash, *wanted],
-                            scope,
-                        )
-                        stash[s][k] = dict(zip(stage.stash, values, strict=False))
-                        for name, value in zip(wanted, values[len(stage.stash) :], strict=True):
-                            fetched[name].append(value)
-                        self.peak_live[s] = max(self.peak_live[s], len(stash[s]))
-                    else:
-                        self._run(stage.backward, stash[s].pop(k), [], scope)
-                    position[s] += 1
+            for runner in self.runners:
+                while (action := runner.next_action) is not None and self._ready(runner.plan.stage, *action):
+                    runner.act(scope)
                     progressed = True
             if not progressed:  # a plan whose crossings no schedule order can satisfy
-                waiting = {
-                    s: schedules[s][position[s]]
-                    for s in range(plan.num_stages)
-                    if position[s] < len(schedules[s])
-                }
+                waiting = {r.plan.stage: r.next_action for r in self.runners if r.next_action is not None}
                 raise ExecutionError(f"pipeline: no stage can go on (each waits for another): {waiting}")
-        for stage in plan.stages:
-            self._channel.stage = stage.stage
-            self._run(stage.optimize, {}, [], scope)
+        for runner in self.runners:
+            runner.optimize(scope)
         self.steps += 1
-        return [_whole(name, fetched.get(name), scope, owner[name], plan) for name in fetch_names]
+        return [
+            np.array(scope.find(name), copy=True)
+            if owner[name] is None
+            else self.runners[owner[name]].whole(name)
+            for name in fetch_names
+        ]
 
     def _ready(self, stage: int, kind: str, k: int) -> bool:
         phase = "forward" if kind == FORWARD else "backward"
@@ -139,38 +117,3 @@ class LocalPipeline:
                     "per-example outputs) or a persistable variable"
                 )
         return owner
-
-
-def split_feed(feed: Mapping[str, Any], m: int, read: set[str]) -> list[dict[str, Any]]:
-    """The feed cut into `m` equal micro-batches along the first dimension."""
-    pieces: list[dict[str, Any]] = [{} for _ in range(m)]
-    for name, value in feed.items():
-        array = np.asarray(value)
-        if array.ndim == 0 or array.shape[0] % m:
-            rows = "a scalar" if array.ndim == 0 else f"{array.shape[0]} rows"
-            raise FeedError(
-                f"feed {name!r} has {rows}, which {m} micro-batches cannot share equally: feed a batch whose "
-                f"size is a multiple of num_microbatches={m}, or change num_microbatches"
-            )
-        if name not in read:
-            continue
-        for k, part in enumerate(np.split(array, m)):
-            pieces[k][name] = part
-    return pieces
-
-
-def _whole(name: str, parts: list[Any] | None, scope: Any, owner: int | None, plan: PipelinePlan) -> Any:
-    """A fetched variable's value for the mini-batch, from its micro-batches' values."""
-    if owner is None:
-        return np.array(scope.find(name), copy=True)
-    stage = plan.stages[owner].forward.global_block()
-    var = stage.find_var(name)
-    if var is not None and var.shape and var.shape[0] == -1:
-        return np.concatenate([np.asarray(p) for p in parts])
-    maker = next((op.type for op in stage.ops if name in op.output_arg_names), None)
-    if maker in _MEANS:
-        return np.mean(np.stack([np.asarray(p) for p in parts]), axis=0).astype(np.asarray(parts[0]).dtype)
-    raise ExecutionError(
-        f"cannot fetch {name!r} from a pipeline: it is neither per example (a first dimension of -1) nor "
-        f"a mean (made by {maker}); its micro-batches' values do not make the mini-batch's"
-    )

@@ -91,6 +91,18 @@ class Cluster:
             return
         wanted = [("pserver", i, job.pserver_servers) for i in range(job.pservers)]
         wanted += [("trainer", i, job.trainer_servers) for i in range(job.trainers)]
+        self._start_servers(job, wanted)
+
+    def start_stages(self, count: int) -> list[Node]:
+        """Start `count` executor servers for a pipeline's stages ("stage.k"), on this machine."""
+        if self._job.cluster is not None:
+            raise BuilderError(
+                "pipeline stages run on this machine's processes; not on a Kubernetes cluster yet"
+            )
+        self._start_servers(self._job, [("stage", i, ()) for i in range(count)])
+        return self.role("stage")
+
+    def _start_servers(self, job: JobDesc, wanted: list[tuple[str, int, Any]]) -> None:
         # Start every process first so that they import and compile side by side.
         started = {}
         local = sum(1 for *_, given in wanted if not given)
@@ -119,7 +131,9 @@ class Cluster:
                 address = process.wait_ready(max(deadline - time.monotonic(), 1.0))
             client = RpcClient(self.context, address, f"{role} {i}'s executor server", self.settings)
             self.nodes.append(Node(role, i, client, process))
-        self.call_all({s.client: Message(Kind.HELLO) for s in self.nodes})
+        self.call_all(
+            {s.client: Message(Kind.HELLO) for s in self.nodes if s.role in {r for r, *_ in wanted}}
+        )
 
     def _start_on_kubernetes(self, job: JobDesc) -> None:
         """Create the job's server pods, wait until every one is ready, connect to each at

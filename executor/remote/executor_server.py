@@ -33,15 +33,21 @@ from fluidps.errors import BuilderError, EOFException, Error, NoDataYet
 from fluidps.executor.block_runner import describe
 from fluidps.executor.env import parse_incarnation, parse_incarnations
 from fluidps.executor.executor import Executor
+from fluidps.executor.pipeline.channel import RemoteStageChannel
+from fluidps.executor.pipeline.stage import StageRunner
 from fluidps.executor.resources import resident_bytes
 from fluidps.executor.runtime import RuntimeConfig
 from fluidps.executor.transport.rpc import Request, RpcServer, Waker
 from fluidps.executor.transport.wire import Kind, Message, json_fields
+from fluidps.ir.devices import PipelineConfig
 from fluidps.ir.program import Program
+from fluidps.transpiler.pipeline import stage_plan
 
 # The program a trainer runs after skipping a step: its startup's recv, without readers.
 REFRESH = "refresh"
-_SETTINGS = ("coordinator", "incarnation", "trainer_incarnations")  # what CONFIGURE sets
+_SETTINGS = ("coordinator", "incarnation", "trainer_incarnations", "pipeline")  # what CONFIGURE sets
+STAGE = "stage"  # the program a pipeline stage runs: its section program, one step a RUN
+_PIPELINE = {"stage": int, "num_stages": int, "num_microbatches": int, "schedule_mode": str, "endpoints": str}
 
 
 @dataclass
@@ -74,6 +80,9 @@ class ExecutorServer:
         self._stale = False  # values changed on the pservers: pull them before the next run
         self._background: threading.Thread | None = None
         self._background_error: str | None = None
+        self._stage_channel: RemoteStageChannel | None = None  # a pipeline stage's (CONFIGURE pipeline)
+        self._stage_config: PipelineConfig | None = None
+        self._stage_runner: StageRunner | None = None
         self._running = True
         # A finished run wakes the serving loop through this socket, so its reply
         # goes out at once rather than at the loop's next poll.
@@ -135,6 +144,11 @@ class ExecutorServer:
             elif msg.kind == Kind.CONFIGURE:
                 self._configure(msg.text)
                 self.server.reply(request)
+            elif msg.kind == Kind.STAGE_SEND:
+                if self._stage_channel is None:
+                    raise Error("is no pipeline stage: it takes no STAGE_SEND")
+                self._stage_channel.deliver(msg)
+                self.server.reply(request)
             elif msg.kind == Kind.RUN:
                 self._program(msg.text)
                 self._unanswered += 1
@@ -186,6 +200,9 @@ class ExecutorServer:
             return
         if self.exe.has_runtime or self.programs:
             raise Error(f"CONFIGURE {name} before the job loads or runs anything here")
+        if name == "pipeline":
+            self._configure_stage(value)
+            return
         try:
             if name == "incarnation":
                 config = replace(self.config, incarnation=parse_incarnation(value, name))
@@ -195,6 +212,43 @@ class ExecutorServer:
         except BuilderError as e:
             raise Error(f"CONFIGURE: {e}") from None
         self.exe = Executor(runtime_config=config, compile=self.compile)
+
+    def _configure_stage(self, text: str) -> None:
+        """Be stage `stage` of a pipeline whose stages' executor servers are `endpoints`
+        (comma-separated, in stage order): RUNs of the STAGE program are its steps."""
+        try:
+            fields = json_fields(text, _PIPELINE)
+            config = PipelineConfig(fields["num_microbatches"], fields["schedule_mode"], fields["num_stages"])
+        except (Error, BuilderError) as e:
+            raise Error(f"CONFIGURE pipeline: {e}") from None
+        endpoints = fields["endpoints"].split(",")
+        if len(endpoints) != config.num_stages or not 0 <= fields["stage"] < config.num_stages:
+            raise Error(f"CONFIGURE pipeline: stage {fields['stage']} of {len(endpoints)} endpoints")
+        self._stage_channel = RemoteStageChannel(fields["stage"], endpoints, self.settings, self._context)
+        self._stage_config = config
+        self.exe.runtime.attach_stages(self._stage_channel)
+
+    def _stage_step(self, msg: Message) -> dict[str, Any]:
+        """One step of this pipeline stage: its schedule on the fed mini-batch."""
+        if self._stage_runner is None:
+            channel, exe = self._stage_channel, self.exe
+            plan = stage_plan(self._program(STAGE), channel.stage)
+
+            def run(program: Program, feed: Any, fetch: Any, scope: Any) -> list[Any]:
+                return exe.run(program, feed=feed, fetch_list=list(fetch), scope=scope, return_numpy=False)
+
+            self._stage_runner = StageRunner(plan, self._stage_config, run, channel)
+        runner = self._stage_runner
+        made = runner.step(self.exe.scope, msg.tensors, [n for n in msg.names if n in runner.plan.made])
+        self._stage_channel.step += 1
+        values = {}
+        for name in msg.names:  # what it made, or what it holds after the step (its parameters)
+            value = made[name] if name in made else self.exe.scope.find(name)
+            if value is None:
+                raise Error(f"stage {runner.plan.stage} neither makes nor holds {name!r}")
+            values[name] = np.array(value, copy=True) if name not in made else value
+        self._ran[STAGE] = (self._ran.get(STAGE, (0, 0))[0] + 1, self._ran.get(STAGE, (0, 0))[1] + 1)
+        return {"values": values, "samples": None}
 
     def _program(self, name: str) -> Program:
         if name not in self.programs:
@@ -271,6 +325,17 @@ class ExecutorServer:
                 else {}
             ),
             **({"profile": runtime.profile.report()} if runtime is not None and runtime.profile else {}),
+            **({"pipeline": self._stage_stats()} if self._stage_runner is not None else {}),
+        }
+
+    def _stage_stats(self) -> dict[str, Any]:
+        runner = self._stage_runner
+        return {
+            "stage": runner.plan.stage,
+            "steps": self._stage_channel.step,
+            "params": list(runner.plan.params),
+            "param_bytes": runner.plan.param_bytes,
+            "peak_live_microbatches": runner.peak_live,
         }
 
     # -- runs on a worker thread ---------------------------------------------------------------
@@ -306,6 +371,10 @@ class ExecutorServer:
             return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
     def _run(self, msg: Message) -> dict[str, Any]:
+        if msg.text == STAGE and self._stage_channel is not None:
+            if msg.batches:
+                raise Error("a pipeline stage runs one mini-batch a RUN")
+            return self._stage_step(msg)
         if self._stale and msg.text != REFRESH:
             self.exe.run(self.programs[REFRESH])
             self._stale = False

@@ -54,6 +54,7 @@ from fluidps.executor.remote.batches import batch_size, combine_fetches, split_f
 from fluidps.executor.remote.cluster import Cluster
 from fluidps.executor.remote.executor_server import REFRESH
 from fluidps.executor.remote.job import JobDesc
+from fluidps.executor.remote.pipeline_job import PipelineJob
 from fluidps.executor.remote.remote_scope import RemoteScope
 from fluidps.executor.scope import Scope
 from fluidps.executor.transport.rpc import RpcClient, RpcSettings, wait_all
@@ -101,6 +102,7 @@ class RemoteExecutor:
         self.scope = RemoteScope(self._local.scope)
         self._startup: Program | None = None
         self._deployment: Deployment | None = None
+        self._pipeline: PipelineJob | None = None  # a pipeline program's stages, once deployed
         self._failed: str | None = None
         self._cluster = Cluster(self.job, self.job.rpc_settings())
         self._profile = Profile() if self.job.profile else None
@@ -128,16 +130,41 @@ class RemoteExecutor:
             raise ExecutionError("RemoteExecutor.run needs a Program (fluidps has no default program)")
         if scope is not None:
             raise UnsupportedError("a RemoteExecutor keeps its values in the job: read and write exe.scope")
-        if program.pipeline is not None:
-            raise UnsupportedError(
-                "this program is a pipeline (PipelineOptimizer): a RemoteExecutor does not run pipeline stages "
-                "as processes yet; train it with fluidps.Executor, which runs its stages in one process"
-            )
         feed = dict(feed or {})
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
+        if program.pipeline is not None:  # (PipelineOptimizer's): one process per stage
+            results = self._pipeline_job(program).step(feed, fetch_names)
+            return [np.asarray(v) if return_numpy and isinstance(v, np.ndarray) else v for v in results]
         if _trains(program):
             return self._train(program, feed, fetch_names)
         return self._run_here(program, feed, fetch_names, return_numpy)
+
+    def _pipeline_job(self, program: Program) -> PipelineJob:
+        """The job running pipeline program `program`: deployed at its first step."""
+        job = self._pipeline
+        if job is not None and job.program is not program:
+            raise UnsupportedError(
+                "this job already trains another program; one RemoteExecutor runs one training program"
+            )
+        if self._deployment is not None:
+            raise UnsupportedError("this job trains a parameter-server program; one RemoteExecutor runs one")
+        if job is None:
+            if self._startup is None:
+                raise ExecutionError(
+                    "run the startup program before training (exe.run(startup_program)): the stages "
+                    "initialize their parameters from it"
+                )
+            if self.job.trainers > 1:
+                raise UnsupportedError(
+                    f"JobDesc(trainers={self.job.trainers}) asks for replicas of the pipeline: a RemoteExecutor "
+                    "runs one (one process per stage) for now; use trainers=1"
+                )
+            try:
+                job = self._pipeline = PipelineJob(self._cluster, program, self._startup, self._local.scope)
+            except Error as e:
+                self._failed = f"deploying the pipeline: {e}"
+                raise ExecutionError(f"the pipeline could not be deployed: {e}") from None
+        return job
 
     def _run_here(
         self, program: Program, feed: dict[str, Any], fetch_names: list[str], return_numpy: bool
@@ -467,6 +494,15 @@ class RemoteExecutor:
         if d is None:
             return {}
         return _ask_all(d.pservers, Kind.STATS)
+
+    def stage_stats(self) -> list[dict[str, Any]]:
+        """Each pipeline stage's state, by stage (as trainer_stats, plus `pipeline`: its
+        parameters and their bytes, and the most micro-batches' activations it held at once)."""
+        job = self._pipeline
+        if job is None:
+            return []
+        replies = wait_all({i: (c, c.request(Message(Kind.STATUS))) for i, c in enumerate(job.stages)})
+        return [json.loads(replies[i].text) for i in range(len(job.stages))]
 
     def trainer_stats(self) -> list[dict[str, Any]]:
         """Each trainer's state, by trainer id: the programs it holds, its background

@@ -74,6 +74,7 @@ class Message:
     # RUN and its VALUES reply: the feeds / fetches of each of several batches run in
     # order (empty: one batch, in `tensors`, which stays empty otherwise)
     batches: list[dict[str, Any]] = field(default_factory=list)
+    micro_batch: int = 0  # STAGE_SEND: the micro-batch of `step` its values belong to
 
     @property
     def kind_name(self) -> str:
@@ -114,6 +115,8 @@ def encode(msg: Message, secret: JobSecret | None = None) -> list[Any]:
     header.barrier = msg.barrier
     if msg.replaces:
         header.replaces = msg.replaces
+    if msg.micro_batch:
+        header.micro_batch = msg.micro_batch
     frames: list[Any] = []
     if msg.batches:
         if msg.kind not in (Kind.RUN, Kind.VALUES):
@@ -232,6 +235,7 @@ def decode(frames: list[Any], secret: JobSecret | None = None) -> Message:
         barrier=header.barrier,
         replaces=header.replaces,
         batches=batches,
+        micro_batch=header.micro_batch,
     )
 
 

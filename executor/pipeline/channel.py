@@ -1,0 +1,106 @@
+"""A stage process's channel to the other stages: values cross as STAGE_SEND messages.
+
+A stage's executor server takes its peers' STAGE_SEND messages on its serving loop
+(`deliver`, which checks them); its worker thread, running the stage's programs,
+sends with `send` (answered as soon as the peer's loop has the value) and takes
+with `recv`, which waits for the value of this step and micro-batch. While it
+waits it keeps a HELLO in flight to the peer it waits for: a peer silent past the
+peer timeout (as fluidps.executor.transport.liveness stretches it) is reported by
+name, never waited for forever.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from fluidps.errors import Error, ExecutionError, PeerLostError
+from fluidps.executor.transport.rpc import RpcClient
+from fluidps.executor.transport.settings import RpcSettings
+from fluidps.executor.transport.wire import Kind, Message
+
+STAGE_SEND = Kind.STAGE_SEND
+
+
+class RemoteStageChannel:
+    def __init__(self, stage: int, endpoints: list[str], settings: RpcSettings, context: zmq.Context):
+        self.stage = stage
+        self.micro_batch = 0
+        self.step = 0  # counted alike on every stage: each RUN of the stage is one step
+        self._endpoints = endpoints
+        self._settings = settings
+        self._context = context
+        self._clients: dict[int, RpcClient] = {}
+        self._mail: dict[tuple[int, str, int, int], Any] = {}  # (from, name, step, micro-batch) -> value
+        self._arrived = threading.Condition()
+
+    # -- the serving loop's side ---------------------------------------------------------
+
+    def deliver(self, msg: Message) -> None:
+        """Keep a peer's STAGE_SEND values for the worker; Error when it is no peer's."""
+        try:
+            src = int(msg.text)
+        except ValueError:
+            src = -1
+        if not 0 <= src < len(self._endpoints) or src == self.stage:
+            raise Error(f"STAGE_SEND from {msg.text[:40]!r}: not another stage of this pipeline")
+        if not msg.tensors:
+            raise Error("STAGE_SEND without values")
+        with self._arrived:
+            for name, value in msg.tensors.items():
+                self._mail[(src, name, msg.step, msg.micro_batch)] = value
+            self._arrived.notify_all()
+
+    # -- the worker's side ------------------------------------------------------------------
+
+    def send(self, peer: int, name: str, value: Any) -> None:
+        msg = Message(STAGE_SEND, tensors={name: value}, step=self.step, micro_batch=self.micro_batch)
+        msg.text = str(self.stage)
+        try:
+            self._client(peer).call(msg, timeout=self._settings.request_timeout)
+        except Error as e:
+            raise ExecutionError(f"stage {self.stage} could not send {name!r} to stage {peer}: {e}") from None
+
+    def recv(self, peer: int, name: str) -> Any:
+        key = (peer, name, self.step, self.micro_batch)
+        client = self._client(peer)
+        probe: int | None = None
+        deadline = time.monotonic() + self._settings.request_timeout  # a bound for a hang
+        while True:
+            with self._arrived:
+                if key in self._mail or self._arrived.wait_for(
+                    lambda: key in self._mail, self._settings.heartbeat_interval
+                ):
+                    if probe is not None:
+                        client.forget(probe)
+                    return self._mail.pop(key)
+            if probe is None:
+                client.begin_wait()
+                probe = client.request(Message(Kind.HELLO))
+            try:
+                if client.poll(probe, 0) is not None:
+                    probe = None  # it answered: alive; ask again next time round
+            except PeerLostError as e:
+                raise ExecutionError(
+                    f"stage {self.stage} waited for {name!r} (step {self.step}, micro-batch {self.micro_batch}) "
+                    f"from stage {peer}, which stopped answering: {e}"
+                ) from None
+            if time.monotonic() > deadline:
+                raise ExecutionError(
+                    f"stage {self.stage} waited {self._settings.request_timeout:g} s for {name!r} from stage {peer}"
+                )
+
+    def _client(self, peer: int) -> RpcClient:
+        if peer not in self._clients:
+            self._clients[peer] = RpcClient(
+                self._context, self._endpoints[peer], f"stage {peer}", self._settings
+            )
+        return self._clients[peer]
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

@@ -1,0 +1,104 @@
+"""A pipeline program's stages as processes: what a RemoteExecutor does with a
+PipelineOptimizer's program.
+
+Deploying starts one executor server per stage; each gets its section program
+(fluidps.PipelineTranspiler's), learns which stage it is and where the others
+are, initializes only its own persistable variables (its part of the startup
+program), and then takes the client's values of them, so that the job starts
+where local training would. A step sends each stage the columns of the fed
+mini-batch it reads and the fetches it makes; the stages run their schedules,
+passing activations and gradients to each other directly, and each answers
+with its fetches once its update is done.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fluidps.errors import Error, ExecutionError
+from fluidps.executor.pipeline.stage import split_feed
+from fluidps.executor.remote.cluster import Cluster
+from fluidps.executor.remote.executor_server import STAGE
+from fluidps.executor.scope import Scope
+from fluidps.executor.transport.wire import Kind, Message
+from fluidps.ir.program import Program
+from fluidps.transpiler.pipeline import MERGED_SUFFIX, PipelineTranspiler
+
+
+class PipelineJob:
+    def __init__(self, cluster: Cluster, program: Program, startup: Program, values: Scope):
+        self.program = program
+        self.plan = PipelineTranspiler().transpile(program)
+        self._cluster = cluster
+        self.stages = [node.client for node in cluster.start_stages(self.plan.num_stages)]
+        self.steps = 0
+        config = self.plan.config
+        endpoints = ",".join(client.endpoint for client in self.stages)
+        for k, client in enumerate(self.stages):
+            settings = {
+                "stage": k,
+                "num_stages": config.num_stages,
+                "num_microbatches": config.num_microbatches,
+                "schedule_mode": config.schedule_mode,
+                "endpoints": endpoints,
+            }
+            client.call(Message(Kind.CONFIGURE, text=json.dumps({"pipeline": json.dumps(settings)})))
+        for stage, client in zip(self.plan.stages, self.stages, strict=True):
+            block = stage.program.global_block()
+            mine = {n for n, v in block.vars.items() if v.persistable and not n.endswith(MERGED_SUFFIX)}
+            client.call(_load("startup", _startup_of(startup, mine)))
+            client.call(Message(Kind.RUN, text="startup"))
+            client.call(_load(STAGE, stage.program))
+            # The job starts from the client's values (its startup's, or what it loaded).
+            tensors = {n: values.find(n) for n in sorted(mine) if values.find(n) is not None}
+            if tensors:
+                client.call(Message(Kind.SET, tensors=tensors))
+
+    def step(self, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> list[Any]:
+        split_feed(feed, self.plan.config.num_microbatches, set())  # refused here, naming the feed
+        owner = {name: self._owner(name) for name in fetch_names}
+        requests = {}
+        for k, client in enumerate(self.stages):
+            stage = self.plan.stages[k]
+            tensors = {n: feed[n] for n in stage.feeds if n in feed}
+            missing = [n for n in stage.feeds if n not in feed]
+            if missing:
+                raise ExecutionError(f"stage {k} reads {', '.join(missing)}: add it to feed")
+            names = [n for n in fetch_names if owner[n] == k]
+            requests[client] = (
+                client,
+                client.request(Message(Kind.RUN, text=STAGE, tensors=tensors, names=names)),
+            )
+        try:
+            replies = self._cluster.wait_all(requests)
+        except Error as e:
+            raise ExecutionError(f"the pipeline failed at step {self.steps + 1}: {e}") from None
+        self.steps += 1
+        return [replies[self.stages[owner[n]]].tensors[n] for n in fetch_names]
+
+    def _owner(self, name: str) -> int:
+        """The stage whose forward makes `name`, else the first that holds it."""
+        for stage in self.plan.stages:
+            if name in stage.made:
+                return stage.stage
+        for stage in self.plan.stages:
+            var = stage.program.global_block().find_var(name)
+            if var is not None and var.persistable:
+                return stage.stage
+        raise ExecutionError(
+            f"cannot fetch {name!r} from a pipeline: no stage's forward makes it and no stage holds it"
+        )
+
+
+def _startup_of(startup: Program, names: set[str]) -> Program:
+    """The ops of `startup` that make `names` (a stage's own persistable variables)."""
+    program = startup.clone()
+    block = program.global_block()
+    block.ops = [op for op in block.ops if set(op.output_arg_names) & names]
+    return program
+
+
+def _load(name: str, program: Program) -> Message:
+    return Message(Kind.LOAD, text=name, blobs=[program.serialize_to_string()])
