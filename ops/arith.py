@@ -219,8 +219,19 @@ def _scale_lowering(op: LoweringOp) -> None:
 def _sum_lowering(op: LoweringOp) -> None:
     xs = op.inputs("X")
     op.require_dense("X", "Out")
-    op.new_arrays()
     out = op.output("Out")
+    first = op.op.input("X")[0]
+    if (
+        op.op.output("Out") == [first]
+        and op.variable(first).persistable
+        and first not in op.op.input("X")[1:]
+    ):
+        # Persistable state summed into itself (a pipeline's gradient sums over micro-batches):
+        # added in place, as an optimizer updates its parameter, in the kernel's order.
+        for x in xs[1:]:
+            op.emit(op.call(add_same_shape, out, x))
+        return
+    op.new_arrays()
     op.emit(f"{out} = {xs[0]}.copy()")  # as the kernel: the first addend, then the others in order
     for x in xs[1:]:
         op.emit(op.call(add_same_shape, out, x))

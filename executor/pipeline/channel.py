@@ -2,8 +2,9 @@
 
 A stage's executor server takes its peers' STAGE_SEND messages on its serving loop
 (`deliver`, which checks them); its worker thread, running the stage's programs,
-sends with `send` (answered as soon as the peer's loop has the value) and takes
-with `recv`, which waits for the value of this step and micro-batch. While it
+sends with `send` (without waiting for the answer, which `flush` collects at the end
+of the step) and takes with `recv`, which waits for the value of this step and
+micro-batch. While it
 waits it keeps a HELLO in flight to the peer it waits for: a peer silent past the
 peer timeout (as fluidps.executor.transport.liveness stretches it) is reported by
 name, never waited for forever.
@@ -15,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import zmq
 
 from fluidps.errors import Error, ExecutionError, PeerLostError
@@ -36,6 +38,7 @@ class RemoteStageChannel:
         self._clients: dict[int, RpcClient] = {}
         self._mail: dict[tuple[int, str, int, int], Any] = {}  # (from, name, step, micro-batch) -> value
         self._arrived = threading.Condition()
+        self._unacknowledged: list[tuple[int, str, int]] = []  # (peer, variable, request id)
 
     # -- the serving loop's side ---------------------------------------------------------
 
@@ -57,12 +60,35 @@ class RemoteStageChannel:
     # -- the worker's side ------------------------------------------------------------------
 
     def send(self, peer: int, name: str, value: Any) -> None:
-        msg = Message(STAGE_SEND, tensors={name: value}, step=self.step, micro_batch=self.micro_batch)
+        """Hand the value on without waiting for the peer: its serving loop may be waiting
+        for the GIL its own compute holds, and a stage that waited for that would wait out
+        the peer's whole step. The answers are collected as they come and by `flush`."""
+        copied = np.array(value, copy=True)  # (compiled code reuses its arrays in the next run)
+        msg = Message(STAGE_SEND, tensors={name: copied}, step=self.step, micro_batch=self.micro_batch)
         msg.text = str(self.stage)
-        try:
-            self._client(peer).call(msg, timeout=self._settings.request_timeout)
-        except Error as e:
-            raise ExecutionError(f"stage {self.stage} could not send {name!r} to stage {peer}: {e}") from None
+        client = self._client(peer)
+        self._unacknowledged.append((peer, name, client.request(msg)))
+        self._collect(wait=False)
+
+    def flush(self) -> None:
+        """Wait until every value sent was taken by its peer (the end of a step)."""
+        self._collect(wait=True)
+
+    def _collect(self, wait: bool) -> None:
+        still = []
+        for peer, name, rid in self._unacknowledged:
+            client = self._client(peer)
+            try:
+                if wait:
+                    client.wait(rid, self._settings.request_timeout)
+                elif client.poll(rid, 0) is None:
+                    still.append((peer, name, rid))
+            except Error as e:
+                self._unacknowledged = []
+                raise ExecutionError(
+                    f"stage {self.stage} could not send {name!r} to stage {peer}: {e}"
+                ) from None
+        self._unacknowledged = still
 
     def recv(self, peer: int, name: str) -> Any:
         key = (peer, name, self.step, self.micro_batch)

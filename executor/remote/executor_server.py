@@ -240,6 +240,7 @@ class ExecutorServer:
             self._stage_runner = StageRunner(plan, self._stage_config, run, channel)
         runner = self._stage_runner
         made = runner.step(self.exe.scope, msg.tensors, [n for n in msg.names if n in runner.plan.made])
+        self._stage_channel.flush()  # every value it sent was taken: the step is done here
         self._stage_channel.step += 1
         values = {}
         for name in msg.names:  # what it made, or what it holds after the step (its parameters)

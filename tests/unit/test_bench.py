@@ -308,3 +308,17 @@ def test_the_guard_bench_times_a_step_with_the_guard_and_without():
         assert row["ops"] == 11 and row["windows"] == 2
         assert row["step_us_guarded"] > 0 and row["step_us_unguarded"] > 0
         assert row["ratio_range"][0] <= row["ratio"] <= row["ratio_range"][1]
+
+
+def test_the_pipeline_bench_compares_each_schedule_with_local_training():
+    rows = bench("pipeline", "--quick")
+    note, local, default, *pipeline = rows
+    assert "cores" in note["note"]
+    assert local["bench"] == "local" and local["threads"] == 1 and local["samples_per_s"] > 0
+    assert default["bench"] == "local (default threads)" and default["samples_per_s"] > 0
+    assert [(r["schedule"], r["microbatches"]) for r in pipeline] == [("1F1B", 2), ("F-then-B", 2)]
+    for r in pipeline:
+        assert r["samples_per_s"] > 0 and r["ideal"] == pytest.approx(4 / 3, rel=1e-3)
+        assert r["vs_local"] == pytest.approx(r["samples_per_s"] / local["samples_per_s"], rel=1e-2, abs=1e-3)
+        assert r["reachable"] == pytest.approx(r["ideal"] / r["micro_batching_cost"], rel=1e-2, abs=1e-3)
+    assert pipeline[0]["loss"] == pipeline[1]["loss"]  # both schedules train the same
