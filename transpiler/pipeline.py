@@ -10,7 +10,8 @@ their order, and what makes the stages one model:
 - where a value crosses stages, a send_v2 on the stage that makes it and a
   recv_v2 on the one that reads it: activations going forward, their gradients
   coming back (a gradient read on several stages is summed where its variable
-  is made, from the parts the others send);
+  is made, from the parts the others send), and a parameter read on several
+  stages going from the stage that updates it to the others once a step;
 - the loss gradient's seed is 1 / m: the m micro-batches' gradients add up to
   the mini-batch's;
 - each parameter's gradient is added into `<grad>@MERGED` after each
@@ -60,6 +61,7 @@ class PipelineTranspiler:
                     "gradients; build its embedding with is_sparse=False"
                 )
         crossings = _crossings(block, stages)
+        crossings += _shared_parameters(block, stages, owners)
         plans = tuple(
             _stage_plan(program, stages, s, crossings, roles.updates, owners, config)
             for s in range(stages.num_stages)
@@ -93,6 +95,19 @@ def _crossings(block: Block, stages: StageMap) -> list[Crossing]:
             if name not in persistable:
                 made.setdefault(name, (stage, kind))
     return list(out.values())
+
+
+def _shared_parameters(block: Block, stages: StageMap, owners: dict[str, int]) -> list[Crossing]:
+    """A parameter read on several stages is updated on its owner, which then hands the
+    new value to the others (once a step, in the optimize phase)."""
+    out = []
+    for param, owner in owners.items():
+        var = block.var(param)
+        for reader in stages.param_readers[param]:
+            if reader != owner:
+                shape = tuple(var.shape or ())
+                out.append(Crossing(param, owner, reader, "optimize", shape, dtype_size(var.dtype)))
+    return out
 
 
 def _stage_plan(
@@ -132,7 +147,9 @@ def _stage_plan(
         if kind == "backward":
             ordered += _accumulate(block, stage, updates, owners)
         ordered += [comm(kind, c, True) for c in crossings if c.src == stage and c.phase == kind]
+    ordered += [comm("optimize", c, False) for c in crossings if c.dst == stage and c.phase == "optimize"]
     ordered += _merged_updates(block, mine["optimize"], stage, updates, owners)
+    ordered += [comm("optimize", c, True) for c in crossings if c.src == stage and c.phase == "optimize"]
     block.ops = ordered
     _drop_unused_vars(block)
     verify(section)

@@ -25,12 +25,13 @@ Action = tuple[str, int]  # (FORWARD or BACKWARD, micro-batch)
 @dataclass(frozen=True)
 class Crossing:
     """Variable `var` goes from stage `src` to stage `dst` once a micro-batch, in the
-    forward phase (an activation) or the backward one (a gradient)."""
+    forward phase (an activation) or the backward one (a gradient); or once a step, in
+    the optimize phase (a parameter several stages read, from the one that updates it)."""
 
     var: str
     src: int
     dst: int
-    phase: str  # "forward" or "backward"
+    phase: str  # "forward", "backward" or "optimize"
     shape: tuple[int, ...]  # as declared; -1: the micro-batch's rows
     dtype_size: int
 
@@ -87,7 +88,7 @@ class PipelinePlan:
             f"{'stage':>5}  {'ops':>5}  {'params':>6}  {'param bytes':>12}  {unit}",
         ]
         for s in self.stages:
-            sent = sum(c.nbytes(rows) for c in self.crossings if c.src == s.stage)
+            sent = sum(c.nbytes(rows) for c in self.crossings if c.src == s.stage and c.phase != "optimize")
             lines.append(f"{s.stage:>5}  {s.ops:>5}  {len(s.params):>6}  {s.param_bytes:>12,}  {sent:,}")
         for c in self.crossings:
             lines.append(f"  {c.phase:>8}: {c.var} stage {c.src} -> {c.dst} {list(c.shape)}")

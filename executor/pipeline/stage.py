@@ -74,7 +74,7 @@ class StageRunner:
         self.position += 1
 
     def optimize(self, scope: Any) -> None:
-        self._channel.stage = self.plan.stage
+        self._channel.stage, self._channel.micro_batch = self.plan.stage, 0  # (a step's own exchanges)
         self._run(self.plan.optimize, {}, [], scope)
 
     def step(self, scope: Any, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> dict[str, Any]:

@@ -78,6 +78,44 @@ class PipelineJob:
         self.steps += 1
         return [replies[self.stages[owner[n]]].tensors[n] for n in fetch_names]
 
+    def holders(self, name: str) -> list[int]:
+        """The stages that hold persistable variable `name` (a weight several stages read: each)."""
+        holding = []
+        for stage in self.plan.stages:
+            var = stage.program.global_block().find_var(name)
+            if var is not None and var.persistable:
+                holding.append(stage.stage)
+        return holding
+
+    def gather(self, names: Sequence[str]) -> dict[str, Any]:
+        """The values of `names` the stages hold, each from the first stage holding it."""
+        per_stage: dict[int, list[str]] = {}
+        for name in names:
+            if holding := self.holders(name):
+                per_stage.setdefault(holding[0], []).append(name)
+        pending = {
+            k: (self.stages[k], self.stages[k].request(Message(Kind.GET, names=n)))
+            for k, n in per_stage.items()
+        }
+        replies = self._cluster.wait_all(pending)
+        return {n: replies[k].tensors[n] for k, held in per_stage.items() for n in held}
+
+    def scatter(self, values: Mapping[str, Any]) -> None:
+        """Write values into every stage that holds them."""
+        per_stage: dict[int, dict[str, Any]] = {}
+        for name, value in values.items():
+            holding = self.holders(name)
+            if not holding:
+                raise ExecutionError(f"cannot set {name!r}: no stage of the pipeline holds it")
+            for k in holding:
+                per_stage.setdefault(k, {})[name] = value
+        self._cluster.wait_all(
+            {
+                k: (self.stages[k], self.stages[k].request(Message(Kind.SET, tensors=t)))
+                for k, t in per_stage.items()
+            }
+        )
+
     def _owner(self, name: str) -> int:
         """The stage whose forward makes `name`, else the first that holds it."""
         for stage in self.plan.stages:

@@ -161,6 +161,7 @@ class RemoteExecutor:
                 )
             try:
                 job = self._pipeline = PipelineJob(self._cluster, program, self._startup, self._local.scope)
+                self.scope.pipeline = job  # exe.scope reads and writes the stages' values from now on
             except Error as e:
                 self._failed = f"deploying the pipeline: {e}"
                 raise ExecutionError(f"the pipeline could not be deployed: {e}") from None

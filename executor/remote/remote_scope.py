@@ -8,7 +8,9 @@ trainers are only told which of their copies are stale, and pull those from the
 pservers before their next step (so the next step uses what was set).
 Variables only trainers hold (not placed) are read from trainer 0 and
 written to every trainer. Gathered values are cached until the next step
-or write, so an evaluation loop reads the parameters once.
+or write, so an evaluation loop reads the parameters once. A pipeline job's
+values are read from the stage that holds them and written to every stage
+that does (PipelineJob).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fluidps.ir.types import to_numpy_dtype
 from fluidps.ops.sparse_table import owners
 
 if TYPE_CHECKING:
+    from fluidps.executor.remote.pipeline_job import PipelineJob
     from fluidps.executor.remote.remote_executor import Deployment
 
 
@@ -34,6 +37,7 @@ class RemoteScope:
     def __init__(self, staging: Scope):
         self.staging = staging  # the client's values, before deployment
         self.deployment: Deployment | None = None
+        self.pipeline: PipelineJob | None = None  # a pipeline program's stages, once deployed
         self._cache: dict[str, Value] = {}
 
     def invalidate(self) -> None:
@@ -84,6 +88,8 @@ class RemoteScope:
     def gather(self, names: Iterable[str]) -> dict[str, Value]:
         """The values of `names` the job holds (names it does not hold are left out)."""
         names = list(dict.fromkeys(names))
+        if self.pipeline is not None:
+            return self.pipeline.gather(names)
         d = self.deployment
         if d is None:
             return {n: v for n in names if (v := self.staging.find(n)) is not None}
@@ -134,6 +140,9 @@ class RemoteScope:
         """Write values into the job: their slices to the pservers (the trainers holding a
         copy pull it before their next step; `trainers_pull=False`: they are about to pull
         everything anyway), what only trainers hold to every trainer."""
+        if self.pipeline is not None:
+            self.pipeline.scatter(values)
+            return
         d = self.deployment
         if d is None:
             for name, value in values.items():

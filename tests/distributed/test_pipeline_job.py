@@ -86,6 +86,42 @@ def test_a_pipeline_job_trains_as_the_whole_batch_does_locally(stages, m, schedu
         np.testing.assert_allclose(value, local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_weights_shared_by_two_stage_processes_stay_one_value():
+    """The stage that updates a weight another stage reads hands it the new value each step."""
+
+    def shared(pipeline):
+        main, startup = fluidps.Program(), fluidps.Program()
+        startup.random_seed = 3
+        with fluidps.program_guard(main, startup):
+            x = layers.data("x", [16])
+            y = layers.data("y", [1], dtype="int64")
+            weights = fluidps.ParamAttr(name="shared_w")
+            with fluidps.device_guard("stage:0" if pipeline else None):
+                h = layers.fc(x, 16, act="tanh", param_attr=weights)
+            with fluidps.device_guard("stage:1" if pipeline else None):
+                h = layers.fc(h, 16, act="tanh", param_attr=weights)
+                loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 5), y))
+            inner = fluidps.optimizer.SGD(0.1)
+            if pipeline:
+                fluidps.optimizer.PipelineOptimizer(inner, num_microbatches=2).minimize(loss)
+            else:
+                inner.minimize(loss)
+        return main, startup, loss
+
+    pm, ps, pl = shared(True)
+    lm, ls, ll = shared(False)
+    local = fluidps.Executor()
+    local.run(ls)
+    feeds = batches(5)
+    want = [local.run(lm, feed=b, fetch_list=[ll])[0] for b in feeds]
+    with fluidps.RemoteExecutor(fluidps.JobDesc()) as exe:
+        exe.run(ps)
+        got = [exe.run(pm, feed=b, fetch_list=[pl])[0] for b in feeds]
+        weights = [exe.scope["shared_w"]]
+    np.testing.assert_allclose(got, want, rtol=1e-5)  # (stage 1 read the updated weights every step)
+    np.testing.assert_allclose(weights[0], local.scope["shared_w"], rtol=1e-5, atol=1e-6)
+
+
 def test_a_stage_that_dies_fails_the_step_naming_it_within_the_peer_timeout():
     pm, ps, pl, _ = model({"num_microbatches": 2})
     feeds = batches(3)

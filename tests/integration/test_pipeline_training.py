@@ -175,6 +175,8 @@ def test_weights_shared_by_two_stages_are_updated_once_with_both_gradients():
     assert "shared_w" in plan.stages[0].params and "shared_w" not in plan.stages[1].params
     # stage 1's part of the gradient goes back to the stage that updates the weights
     assert any(c.var.startswith("shared_w@GRAD") and (c.src, c.dst) == (1, 0) for c in plan.crossings)
+    # and, once updated, the weights go to the other stage that reads them
+    assert [(c.src, c.dst, c.phase) for c in plan.crossings if c.var == "shared_w"] == [(0, 1, "optimize")]
 
 
 def test_compiled_stages_train_as_interpreted_ones(tmp_path):
