@@ -1,8 +1,8 @@
 """What communication and reader kernels may ask of the runtime an executor gives them.
 
 Kernels of `send`, `recv`, `distributed_lookup_table`, the barriers, `listen_and_serv`, `enqueue` / `dequeue`,
-`create_dataset_reader` and `read` take part in a job: they talk to pservers, serve
-trainers or read dataset tasks. They get that ability as a `KernelRuntime` when the
+`create_dataset_reader`, `read` and a pipeline's `send_v2` / `recv_v2` take part in a job: they talk
+to pservers, serve trainers, read dataset tasks or pass values between pipeline stages. They get that ability as a `KernelRuntime` when the
 executor builds them (`KernelOp.runtime`), and may call nothing but what these
 protocols list. fluidps's implementation is `fluidps.executor.runtime.Runtime`; ops
 never import the executor.

@@ -63,7 +63,8 @@ class RemoteStageChannel:
         """Hand the value on without waiting for the peer: its serving loop may be waiting
         for the GIL its own compute holds, and a stage that waited for that would wait out
         the peer's whole step. The answers are collected as they come and by `flush`."""
-        copied = np.array(value, copy=True)  # (compiled code reuses its arrays in the next run)
+        # (a parameter is updated in place later: the message holds a copy of its own)
+        copied = np.array(value, copy=True)
         msg = Message(STAGE_SEND, tensors={name: copied}, step=self.step, micro_batch=self.micro_batch)
         msg.text = str(self.stage)
         client = self._client(peer)
