@@ -172,12 +172,12 @@ class RemoteExecutor:
     ) -> list[Any]:
         """A program without optimizer ops runs in the client, against the job's values."""
         reads, writes = _persistables(program)
-        if self._deployment is None:
+        if self._deployment is None and self._pipeline is None:
             if writes and not reads and not feed:
                 self._startup = program  # what the pservers will initialize their slices with
             return self._local.run(program, feed, fetch_names, return_numpy=return_numpy)
         scope = Scope()
-        tables = self._hashed_rows(program, feed)
+        tables = self._hashed_rows(program, feed) if self._deployment is not None else {}
         for name, value in self.scope.gather((reads | writes) - set(tables)).items():
             scope[name] = value.copy()
         for name, table in tables.items():

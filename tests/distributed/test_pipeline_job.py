@@ -70,10 +70,14 @@ def test_a_pipeline_job_trains_as_the_whole_batch_does_locally(stages, m, schedu
         got = [exe.run(pm, feed=b, fetch_list=[pl, plog]) for b in feeds]
         # one more step, fetching the parameters after it, each from the stage that holds it
         trained = exe.run(pm, feed=feeds[0], fetch_list=params(pm))
+        # an evaluation program runs in the client on the stages' values
+        (evaluated,) = exe.run(pm.clone(for_test=True), feed=feeds[1], fetch_list=[plog])
         pids = exe.server_pids
         assert sorted(n for n in pids if n.startswith("stage.")) == [f"stage.{k}" for k in range(stages)]
         stats = [s["pipeline"] for s in exe.stage_stats()]
     local.run(lm, feed=feeds[0])  # (that step, here)
+    (want_evaluated,) = local.run(lm.clone(for_test=True), feed=feeds[1], fetch_list=[llog])
+    np.testing.assert_allclose(evaluated, want_evaluated, rtol=1e-4, atol=1e-5)
     # each stage holds its own layers' parameters, and at most the activations its schedule allows
     assert [len(s["params"]) for s in stats] == [2] * (stages - 1) + [4]
     live = [min(stages - k, m) for k in range(stages)] if schedule_mode == "1F1B" else [m] * stages
