@@ -1,7 +1,8 @@
 """A stage process's channel to the other stages: values cross as STAGE_SEND messages.
 
 A stage's executor server takes its peers' STAGE_SEND messages on its serving loop
-(`deliver`, which checks them); its worker thread, running the stage's programs,
+(`deliver`, which checks them: another stage's, of this step and one of its
+micro-batches, and not more than a bounded number waiting); its worker thread, running the stage's programs,
 sends with `send` (without waiting for the answer, which `flush` collects at the end
 of the step) and takes with `recv`, which waits for the value of this step and
 micro-batch. While it
@@ -25,11 +26,22 @@ from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
 
 STAGE_SEND = Kind.STAGE_SEND
+# Values a stage keeps for its worker at most: a step's crossings into it, for every
+# micro-batch, fit many times over; a peer that sends more is refused, not stored.
+MAX_WAITING = 65536
 
 
 class RemoteStageChannel:
-    def __init__(self, stage: int, endpoints: list[str], settings: RpcSettings, context: zmq.Context):
+    def __init__(
+        self,
+        stage: int,
+        endpoints: list[str],
+        settings: RpcSettings,
+        context: zmq.Context,
+        micro_batches: int,
+    ):
         self.stage = stage
+        self.micro_batches = micro_batches
         self.micro_batch = 0
         self.step = 0  # counted alike on every stage: each RUN of the stage is one step
         self._endpoints = endpoints
@@ -52,6 +64,13 @@ class RemoteStageChannel:
             raise Error(f"STAGE_SEND from {msg.text[:40]!r}: not another stage of this pipeline")
         if not msg.tensors:
             raise Error("STAGE_SEND without values")
+        if msg.step != self.step or msg.micro_batch >= self.micro_batches:
+            raise Error(
+                f"STAGE_SEND from stage {src} for step {msg.step}, micro-batch {msg.micro_batch}: this stage is "
+                f"at step {self.step} of {self.micro_batches} micro-batches"
+            )
+        if len(self._mail) + len(msg.tensors) > MAX_WAITING:
+            raise Error(f"STAGE_SEND from stage {src}: {len(self._mail)} values wait here already")
         with self._arrived:
             for name, value in msg.tensors.items():
                 self._mail[(src, name, msg.step, msg.micro_batch)] = value
@@ -93,7 +112,7 @@ class RemoteStageChannel:
 
     def recv(self, peer: int, name: str) -> Any:
         key = (peer, name, self.step, self.micro_batch)
-        client = self._client(peer)
+        client: RpcClient | None = None  # (made when the value is not there yet: a probe of the peer)
         probe: int | None = None
         deadline = time.monotonic() + self._settings.request_timeout  # a bound for a hang
         while True:
@@ -104,6 +123,7 @@ class RemoteStageChannel:
                     if probe is not None:
                         client.forget(probe)
                     return self._mail.pop(key)
+            client = client or self._client(peer)
             if probe is None:
                 client.begin_wait()
                 probe = client.request(Message(Kind.HELLO))

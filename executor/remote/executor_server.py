@@ -224,7 +224,9 @@ class ExecutorServer:
         endpoints = fields["endpoints"].split(",")
         if len(endpoints) != config.num_stages or not 0 <= fields["stage"] < config.num_stages:
             raise Error(f"CONFIGURE pipeline: stage {fields['stage']} of {len(endpoints)} endpoints")
-        self._stage_channel = RemoteStageChannel(fields["stage"], endpoints, self.settings, self._context)
+        self._stage_channel = RemoteStageChannel(
+            fields["stage"], endpoints, self.settings, self._context, config.num_microbatches
+        )
         self._stage_config = config
         self.exe.runtime.attach_stages(self._stage_channel)
 
