@@ -152,7 +152,13 @@ def assign_stages(program: Program, num_stages: int | None = None) -> StageMap:
 
 
 def _record_writes(
-    op: Operator, index: int, stage: int, maker: dict[str, int], persistable: set[str], ops, stages
+    op: Operator,
+    index: int,
+    stage: int,
+    maker: dict[str, int],
+    persistable: set[str],
+    ops: list[Operator],
+    stages: list[int | None],
 ) -> None:
     for name in _names(op.output_arg_names):
         if name in persistable:
@@ -179,7 +185,9 @@ def _check_reads(op: Operator, index: int, stage: int, maker: Mapping[str, int])
             )
 
 
-def _made_where(op: Operator, index: int, maker: Mapping[str, int], param_readers) -> int:
+def _made_where(
+    op: Operator, index: int, maker: Mapping[str, int], param_readers: Mapping[str, list[int]]
+) -> int:
     """Where the variable whose gradient `op` writes is made (or, for a parameter's, owned)."""
     for name in _names(op.output_arg_names):
         base = forward_name(name)
@@ -195,7 +203,7 @@ def _made_where(op: Operator, index: int, maker: Mapping[str, int], param_reader
     )
 
 
-def _optimize_stage(op: Operator, index: int, param_readers) -> int:
+def _optimize_stage(op: Operator, index: int, param_readers: Mapping[str, list[int]]) -> int:
     role = op.attr(OP_ROLE_ATTR)
     if role & OpRole.LRSched:
         return EVERY_STAGE

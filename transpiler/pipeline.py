@@ -23,7 +23,7 @@ The input program is never changed; the plan holds copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from fluidps.errors import UnsupportedError
 from fluidps.ir.devices import PipelineConfig
@@ -32,7 +32,7 @@ from fluidps.ir.program import Block, Program
 from fluidps.ir.stages import EVERY_STAGE, StageMap, assign_stages, phase
 from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_ATTR, OpRole, VarType, to_numpy_dtype
 from fluidps.ops import REGISTRY, verify
-from fluidps.transpiler.analysis import analyze
+from fluidps.transpiler.analysis import ParamUpdate, analyze
 from fluidps.transpiler.pipeline_plan import Crossing, PipelinePlan, StagePlan, dtype_size
 
 MERGED_SUFFIX = "@MERGED"
@@ -115,7 +115,7 @@ def _stage_plan(
     stages: StageMap,
     stage: int,
     crossings: list[Crossing],
-    updates,
+    updates: Sequence[ParamUpdate],
     owners: dict[str, int],
     config: PipelineConfig,
 ) -> StagePlan:
@@ -200,7 +200,9 @@ def stage_plan(section: Program, stage: int) -> StagePlan:
     )
 
 
-def _accumulate(block: Block, stage: int, updates, owners: dict[str, int]) -> list[Operator]:
+def _accumulate(
+    block: Block, stage: int, updates: Sequence[ParamUpdate], owners: dict[str, int]
+) -> list[Operator]:
     """After each micro-batch's backward: <grad>@MERGED += <grad>, for the parameters it owns."""
     ops = []
     for u in updates:
@@ -214,7 +216,9 @@ def _accumulate(block: Block, stage: int, updates, owners: dict[str, int]) -> li
     return ops
 
 
-def _merged_updates(block: Block, optimize: list[Operator], stage: int, updates, owners) -> list[Operator]:
+def _merged_updates(
+    block: Block, optimize: list[Operator], stage: int, updates: Sequence[ParamUpdate], owners: dict[str, int]
+) -> list[Operator]:
     """The update ops read the gradients summed over the micro-batches, then zero them."""
     grads = [u.grad for u in updates if owners[u.param] == stage]
     for op in optimize:
