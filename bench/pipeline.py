@@ -99,7 +99,7 @@ def local_rate(args) -> float:
     )
 
 
-def local_pipeline_rate(args, m: int, schedule_mode: str, defer: bool) -> float:
+def local_pipeline_rate(args, m: int, schedule_mode: str) -> float:
     """Steps/s of the pipeline program in this process (fluidps.Executor runs its stages
     one after another): what cutting the batch into m micro-batches costs the compute."""
     main, startup, loss = build(
@@ -113,7 +113,7 @@ def local_pipeline_rate(args, m: int, schedule_mode: str, defer: bool) -> float:
     )
 
 
-def pipeline_rate(args, m: int, schedule_mode: str, defer: bool) -> tuple[float, float]:
+def pipeline_rate(args, m: int, schedule_mode: str) -> tuple[float, float]:
     """(steps/s, final loss) of the pipeline job."""
     main, startup, loss = build(
         args.layers, args.width, {"num_microbatches": m, "schedule_mode": schedule_mode}
@@ -157,11 +157,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=12, help="steps before timing (past the compile)")
     parser.add_argument("--microbatches", default="4,8,16")
     parser.add_argument("--schedules", default="1F1B,F-then-B")
-    parser.add_argument(
-        "--defer",
-        default="no,yes",
-        help="rows without and with PipelineOptimizer(defer_weight_gradients=True) (no, yes, or both)",
-    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: a small model, a few steps")
     parser.add_argument("--local-default-threads", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -176,21 +171,19 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"note": f"{CORES} cores; each stage a process with one thread; local with one thread"}))
     before = local_rate(args)
     rows = []
-    variants = [(s, m, d == "yes") for d in args.defer.split(",") for s in args.schedules.split(",")
-                for m in (int(v) for v in args.microbatches.split(","))]  # fmt: skip
-    for schedule_mode, m, defer in variants:
-        steps_per_s, loss = pipeline_rate(args, m, schedule_mode, defer)
-        one_process = local_pipeline_rate(args, m, schedule_mode, defer)
-        ideal = STAGES * m / (m + STAGES - 1)
-        rows.append(
-            {
-                "bench": "pipeline", "schedule": schedule_mode, "microbatches": m, "stages": STAGES,
-                "defer_weight_gradients": defer,
-                "samples_per_s": round(steps_per_s * args.batch, 1), "ideal": round(ideal, 3),
-                "loss": round(loss, 4), "threads_per_stage": 1, **common,
-                "one_process_samples_per_s": round(one_process * args.batch, 1),
-            }
-        )  # fmt: skip
+    for schedule_mode in args.schedules.split(","):
+        for m in (int(v) for v in args.microbatches.split(",")):
+            steps_per_s, loss = pipeline_rate(args, m, schedule_mode)
+            one_process = local_pipeline_rate(args, m, schedule_mode)
+            ideal = STAGES * m / (m + STAGES - 1)
+            rows.append(
+                {
+                    "bench": "pipeline", "schedule": schedule_mode, "microbatches": m, "stages": STAGES,
+                    "samples_per_s": round(steps_per_s * args.batch, 1), "ideal": round(ideal, 3),
+                    "loss": round(loss, 4), "threads_per_stage": 1, **common,
+                    "one_process_samples_per_s": round(one_process * args.batch, 1),
+                }
+            )  # fmt: skip
     after = local_rate(args)
     local = (before + after) / 2
     default = default_threads_rate(args)

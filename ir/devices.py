@@ -52,10 +52,6 @@ class PipelineConfig:
     num_microbatches: int
     schedule_mode: str = "1F1B"
     num_stages: int = 1
-    # A weight's gradient (mul's) computed once a step over the whole batch, not summed over
-    # the micro-batches: faster, but each micro-batch's layer inputs and output gradients
-    # stay until the step's update.
-    defer_weight_gradients: bool = False
 
     def __post_init__(self) -> None:
         m = self.num_microbatches

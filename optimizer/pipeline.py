@@ -34,10 +34,7 @@ class PipelineOptimizer:
     of its `num_microbatches` micro-batches (the loss gradient scaled by
     1 / num_microbatches), on `schedule_mode` "1F1B" (the default) or "F-then-B"
     (GPipe). `num_stages`: how many stages the program must have (default: as
-    many as its device_guards name); with one, a pipeline is gradient accumulation.
-    `defer_weight_gradients`: each fc weight's gradient is computed once a step over
-    the whole batch (one large product instead of m small ones and their sum), at the
-    cost of keeping every micro-batch's layer inputs and output gradients until then."""
+    many as its device_guards name); with one, a pipeline is gradient accumulation."""
 
     def __init__(
         self,
@@ -45,7 +42,6 @@ class PipelineOptimizer:
         num_microbatches: int = 1,
         schedule_mode: str = "1F1B",
         num_stages: int | None = None,
-        defer_weight_gradients: bool = False,
     ):
         if not isinstance(optimizer, Optimizer):
             raise BuilderError(
@@ -58,7 +54,6 @@ class PipelineOptimizer:
         self.num_microbatches = num_microbatches
         self.schedule_mode = schedule_mode
         self.num_stages = num_stages
-        self.defer_weight_gradients = bool(defer_weight_gradients)
 
     def minimize(
         self,
@@ -90,7 +85,5 @@ class PipelineOptimizer:
         for op, stage in zip(block.ops, placed.op_stages, strict=True):
             if stage != EVERY_STAGE and not (op.has_attr(OP_DEVICE_ATTR) and op.attr(OP_DEVICE_ATTR)):
                 op.set_attr(OP_DEVICE_ATTR, stage_device(stage))
-        program.pipeline = PipelineConfig(
-            self.num_microbatches, self.schedule_mode, placed.num_stages, self.defer_weight_gradients
-        )
+        program.pipeline = PipelineConfig(self.num_microbatches, self.schedule_mode, placed.num_stages)
         return result

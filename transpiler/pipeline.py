@@ -30,15 +30,7 @@ from fluidps.ir.devices import PipelineConfig
 from fluidps.ir.operator import Operator
 from fluidps.ir.program import Block, Program
 from fluidps.ir.stages import EVERY_STAGE, StageMap, assign_stages, phase
-from fluidps.ir.types import (
-    EMPTY_VAR_NAME,
-    OP_DEVICE_ATTR,
-    OP_ROLE_ATTR,
-    OP_ROLE_VAR_ATTR,
-    OpRole,
-    VarType,
-    to_numpy_dtype,
-)
+from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_ATTR, OpRole, VarType, to_numpy_dtype
 from fluidps.ops import REGISTRY, verify
 from fluidps.transpiler.analysis import ParamUpdate, analyze
 from fluidps.transpiler.pipeline_plan import Crossing, PipelinePlan, StagePlan, dtype_size
@@ -148,21 +140,15 @@ def _stage_plan(
         attrs.update(out_shape=list(var.shape or ()), dtype=int(var.dtype))
         return REGISTRY.append_op(block, "recv_v2", {}, {"Out": [crossing.var]}, attrs)
 
-    summed = [u for u in updates if owners[u.param] == stage]
-    deferred: list[Operator] = []
-    if config.defer_weight_gradients:
-        deferred = _defer_weight_gradients(block, mine["backward"], summed, stages)
-        done = {n for op in deferred for n in op.output_arg_names}
-        summed = [u for u in summed if u.grad not in done]
     ordered: list[Operator] = []
     for kind in ("forward", "backward"):
         ordered += [comm(kind, c, False) for c in crossings if c.dst == stage and c.phase == kind]
         ordered += mine[kind]
         if kind == "backward":
-            ordered += _accumulate(block, summed)
+            ordered += _accumulate(block, stage, updates, owners)
         ordered += [comm(kind, c, True) for c in crossings if c.src == stage and c.phase == kind]
     ordered += [comm("optimize", c, False) for c in crossings if c.dst == stage and c.phase == "optimize"]
-    ordered += deferred + _merged_updates(block, mine["optimize"], summed)
+    ordered += _merged_updates(block, mine["optimize"], stage, updates, owners)
     ordered += [comm("optimize", c, True) for c in crossings if c.src == stage and c.phase == "optimize"]
     block.ops = ordered
     _drop_unused_vars(block)
@@ -183,10 +169,6 @@ def stage_plan(section: Program, stage: int) -> StagePlan:
     bwd_made = {n for op in bwd_block.ops for n in _names(op.output_arg_names)}
     bwd_reads = dict.fromkeys(n for op in bwd_block.ops for n in _names(op.input_arg_names))
     stash = tuple(n for n in bwd_reads if n not in persistable and n not in bwd_made)
-    opt_block = optimize.global_block()
-    opt_made = {n for op in opt_block.ops for n in _names(op.output_arg_names)}
-    opt_reads = dict.fromkeys(n for op in opt_block.ops for n in _names(op.input_arg_names))
-    deferred = tuple(n for n in opt_reads if n not in persistable and n not in opt_made)
     fwd_reads = dict.fromkeys(n for op in fwd_block.ops for n in _names(op.input_arg_names))
     feeds = tuple(n for n in fwd_reads if n not in persistable and n not in fwd_made)
     params = tuple(
@@ -215,39 +197,17 @@ def stage_plan(section: Program, stage: int) -> StagePlan:
         accumulators=tuple((n, tuple(block.var(n).shape), _np_dtype(block, n)) for n in merged),
         made=frozenset(n for n in fwd_made if n not in persistable),
         ops=len(compute),
-        deferred=deferred,
     )
 
 
-def _defer_weight_gradients(
-    block: Block, backward: list[Operator], updates: Sequence[ParamUpdate], stages: StageMap
+def _accumulate(
+    block: Block, stage: int, updates: Sequence[ParamUpdate], owners: dict[str, int]
 ) -> list[Operator]:
-    """For each weight only this stage reads whose gradient one mul_grad makes: that
-    mul_grad keeps only the input's gradient (per micro-batch, as the stage before
-    waits for it), and a copy of it in the optimize phase makes the weight's gradient
-    once, from the whole batch's inputs and output gradients (every micro-batch's,
-    joined by the runner). Returns those copies."""
-    deferred = []
-    for u in updates:
-        writers = [op for op in backward if u.grad in op.output_arg_names]
-        if len(stages.param_readers[u.param]) != 1 or len(writers) != 1 or writers[0].type != "mul_grad":
-            continue
-        grad_op = writers[0]
-        if grad_op.output("Y@GRAD") != [u.grad]:
-            continue
-        attrs = {n: grad_op.attr(n) for n in grad_op.attr_names if n not in (OP_ROLE_ATTR, OP_DEVICE_ATTR)}
-        attrs[OP_ROLE_ATTR] = int(OpRole.Optimize)
-        outputs = {"X@GRAD": [EMPTY_VAR_NAME], "Y@GRAD": [u.grad]}
-        deferred.append(REGISTRY.append_op(block, "mul_grad", dict(grad_op.inputs), outputs, attrs))
-        grad_op.set_output("Y@GRAD", [EMPTY_VAR_NAME])
-        grad_op.set_attr(OP_ROLE_VAR_ATTR, [])
-    return deferred
-
-
-def _accumulate(block: Block, updates: Sequence[ParamUpdate]) -> list[Operator]:
     """After each micro-batch's backward: <grad>@MERGED += <grad>, for the parameters it owns."""
     ops = []
     for u in updates:
+        if owners[u.param] != stage:
+            continue
         param = block.var(u.param)
         merged = u.grad + MERGED_SUFFIX
         block.create_var(merged, shape=list(param.shape), dtype=param.dtype, persistable=True)
@@ -256,9 +216,11 @@ def _accumulate(block: Block, updates: Sequence[ParamUpdate]) -> list[Operator]:
     return ops
 
 
-def _merged_updates(block: Block, optimize: list[Operator], updates: Sequence[ParamUpdate]) -> list[Operator]:
+def _merged_updates(
+    block: Block, optimize: list[Operator], stage: int, updates: Sequence[ParamUpdate], owners: dict[str, int]
+) -> list[Operator]:
     """The update ops read the gradients summed over the micro-batches, then zero them."""
-    grads = [u.grad for u in updates]
+    grads = [u.grad for u in updates if owners[u.param] == stage]
     for op in optimize:
         for grad in grads:
             if grad in op.input_arg_names:

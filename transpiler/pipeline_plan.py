@@ -55,9 +55,6 @@ class StagePlan:
     ]  # (name, shape, numpy dtype), zeroed at the start
     made: frozenset[str]  # non-persistable variables its forward makes (fetchable per micro-batch)
     ops: int  # compute ops (send_v2 / recv_v2 not counted)
-    # What its optimize phase reads of every micro-batch (deferred weight gradients: layer
-    # inputs and output gradients), joined over the micro-batches.
-    deferred: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

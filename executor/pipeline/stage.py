@@ -39,19 +39,6 @@ class StageRunner:
         self._feeds: list[dict[str, Any]] = []
         self._wanted: list[str] = []
         self.fetched: dict[str, list[Any]] = {}
-        # Deferred weight gradients' inputs, per micro-batch, for the optimize phase: from
-        # the feed, from the forward, from the backward.
-        made = {n for op in plan.forward.global_block().ops for n in op.output_arg_names}
-        made_back = {n for op in plan.backward.global_block().ops for n in op.output_arg_names}
-        self._kept_fed = [n for n in plan.deferred if n in plan.feeds]
-        self._kept_forward = [n for n in plan.deferred if n in made and n not in self._kept_fed]
-        self._kept_backward = [n for n in plan.deferred if n in made_back]
-        missing = set(plan.deferred) - {*self._kept_fed, *self._kept_forward, *self._kept_backward}
-        if missing:
-            raise ExecutionError(
-                f"stage {plan.stage}: its update reads {sorted(missing)}, which no phase makes"
-            )
-        self._kept: dict[int, dict[str, Any]] = {}
         self.position = 0  # of the next action in `actions`
         self.peak_live = 0  # most micro-batches' values held at once, over every step
 
@@ -64,7 +51,6 @@ class StageRunner:
         self._wanted = [n for n in fetch_names if n in self.plan.made]
         self.fetched = {n: [] for n in self._wanted}
         self._stash.clear()
-        self._kept.clear()
         self.position = 0
 
     @property
@@ -78,30 +64,18 @@ class StageRunner:
         plan = self.plan
         if kind == FORWARD:
             feed = {n: self._feeds[k][n] for n in plan.feeds}
-            values = self._run(plan.forward, feed, [*plan.stash, *self._wanted, *self._kept_forward], scope)
+            values = self._run(plan.forward, feed, [*plan.stash, *self._wanted], scope)
             self._stash[k] = dict(zip(plan.stash, values, strict=False))
-            wanted = values[len(plan.stash) : len(plan.stash) + len(self._wanted)]
-            for name, value in zip(self._wanted, wanted, strict=True):
+            for name, value in zip(self._wanted, values[len(plan.stash) :], strict=True):
                 self.fetched[name].append(value)
-            kept = values[len(plan.stash) + len(self._wanted) :]
-            self._kept[k] = {
-                **{n: feed[n] for n in self._kept_fed},
-                **dict(zip(self._kept_forward, kept, strict=True)),
-            }
             self.peak_live = max(self.peak_live, len(self._stash))
         else:
-            values = self._run(plan.backward, self._stash.pop(k), self._kept_backward, scope)
-            self._kept[k].update(zip(self._kept_backward, values, strict=True))
+            self._run(plan.backward, self._stash.pop(k), [], scope)
         self.position += 1
 
     def optimize(self, scope: Any) -> None:
         self._channel.stage, self._channel.micro_batch = self.plan.stage, 0  # (a step's own exchanges)
-        order = sorted(self._kept)
-        joined = {
-            n: np.concatenate([np.asarray(self._kept[k][n]) for k in order]) for n in self.plan.deferred
-        }
-        self._kept.clear()
-        self._run(self.plan.optimize, joined, [], scope)
+        self._run(self.plan.optimize, {}, [], scope)
 
     def step(self, scope: Any, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> dict[str, Any]:
         """A whole step of this stage alone (its peers run theirs in their own processes):

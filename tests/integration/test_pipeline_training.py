@@ -143,26 +143,6 @@ def test_two_stages_with_adam_have_the_losses_of_whole_batch_training(m, schedul
         np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
 
 
-@pytest.mark.parametrize("schedule_mode", ["1F1B", "F-then-B"])
-@pytest.mark.parametrize("m", [1, 4, 8])
-def test_weight_gradients_deferred_to_the_update_train_as_whole_batch_training(m, schedule_mode):
-    """Each fc weight's gradient made once a step from every micro-batch's inputs and output
-    gradients, not summed over them: the same training, without the weights' sums."""
-    pipeline = {"num_microbatches": m, "schedule_mode": schedule_mode, "defer_weight_gradients": True}
-    exe, pm, got, want, local, lm = train_both(mlp, "x", sgd, pipeline)
-    for p in lm.all_parameters():
-        np.testing.assert_allclose(exe.scope[p.name], local.scope[p.name], rtol=1e-5, atol=1e-6, err_msg=p.name)
-    for (loss, _), (want_loss, _) in zip(got, want, strict=True):
-        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    plan = fluidps.PipelineTranspiler().transpile(pm)
-    for stage in plan.stages:  # the weights' gradients are made in the update, from whole-batch values
-        optimize = [op.type for op in stage.optimize.global_block().ops]
-        assert optimize.count("mul_grad") == sum(1 for p in stage.params if ".w_" in p)
-        sums = [op for op in stage.backward.global_block().ops if op.type == "sum"]
-        assert all(".b_" in op.output("Out")[0] for op in sums)  # only the biases are summed
-        assert stage.deferred
-
-
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_three_stages_train_as_one_even_with_fewer_micro_batches_than_stages(m):
     def three(optimizer, pipeline):

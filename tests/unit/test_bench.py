@@ -316,11 +316,9 @@ def test_the_pipeline_bench_compares_each_schedule_with_local_training():
     assert "cores" in note["note"]
     assert local["bench"] == "local" and local["threads"] == 1 and local["samples_per_s"] > 0
     assert default["bench"] == "local (default threads)" and default["samples_per_s"] > 0
-    assert [(r["schedule"], r["microbatches"], r["defer_weight_gradients"]) for r in pipeline] == [
-        ("1F1B", 2, False), ("F-then-B", 2, False), ("1F1B", 2, True), ("F-then-B", 2, True),
-    ]  # fmt: skip
+    assert [(r["schedule"], r["microbatches"]) for r in pipeline] == [("1F1B", 2), ("F-then-B", 2)]
     for r in pipeline:
         assert r["samples_per_s"] > 0 and r["ideal"] == pytest.approx(4 / 3, rel=1e-3)
         assert r["vs_local"] == pytest.approx(r["samples_per_s"] / local["samples_per_s"], rel=1e-2, abs=1e-3)
         assert r["reachable"] == pytest.approx(r["ideal"] / r["micro_batching_cost"], rel=1e-2, abs=1e-3)
-    assert len({r["loss"] for r in pipeline}) == 1  # every schedule trains the same
+    assert pipeline[0]["loss"] == pipeline[1]["loss"]  # both schedules train the same
