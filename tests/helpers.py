@@ -111,3 +111,31 @@ def build_every_layer() -> tuple[fluidps.Program, fluidps.Program]:
         )
         layers.sigmoid(logits)
     return main, startup
+
+
+def staged_mlp(pipeline: dict | None, stages: int = 2, optimizer=None, seed: int = 1):
+    """16 inputs, four relu layers of 32 spread over `stages` pipeline stages, a classifier of 5
+    on the last; minimized with PipelineOptimizer(optimizer, **pipeline), or plainly (and with
+    no stages) when `pipeline` is None. Returns (main, startup, loss, logits)."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = seed
+
+    def on(stage: int):
+        return fluidps.device_guard(f"stage:{stage}" if pipeline is not None else None)
+
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [16])
+        y = layers.data("y", [1], dtype="int64")
+        h = x
+        for i in range(4):
+            with on(i * stages // 4):
+                h = layers.fc(h, 32, act="relu")
+        with on(stages - 1):
+            logits = layers.fc(h, 5)
+            loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
+        inner = optimizer or fluidps.optimizer.SGD(0.1)
+        if pipeline is None:
+            inner.minimize(loss)
+        else:
+            fluidps.optimizer.PipelineOptimizer(inner, **pipeline).minimize(loss)
+    return main, startup, loss, logits

@@ -10,6 +10,7 @@ import pytest
 import fluidps
 from fluidps import layers
 from fluidps.executor.compiler import Compiler, ModuleCache
+from helpers import staged_mlp
 
 STEPS = 20
 BATCH = 8
@@ -28,20 +29,7 @@ def _guard(pipeline: dict | None, stage: int):
 
 def mlp(optimizer, pipeline: dict | None, stages: int = 2):
     """Four hidden layers of 32 spread over `stages`, then the classifier on the last."""
-    main, startup = fluidps.Program(), fluidps.Program()
-    startup.random_seed = 1
-    with fluidps.program_guard(main, startup):
-        x = layers.data("x", [16])
-        y = layers.data("y", [1], dtype="int64")
-        h = x
-        for i in range(4):
-            with _guard(pipeline, i * stages // 4):
-                h = layers.fc(h, 32, act="relu")
-        with _guard(pipeline, stages - 1):
-            logits = layers.fc(h, 5)
-            loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
-        _minimize(loss, optimizer, pipeline)
-    return main, startup, loss, logits
+    return staged_mlp(pipeline, stages, optimizer)
 
 
 def conv_net(optimizer, pipeline: dict | None):
