@@ -125,8 +125,7 @@ def test_a_stage_that_dies_fails_the_step_naming_it_within_the_peer_timeout():
 
 def test_stages_compiling_from_a_cold_cache_keep_answering_each_other(tmp_path):
     """Each stage compiles its phases (numba, empty caches) on its worker thread while its
-    serving loop answers: a peer waiting for it sees it alive, with a peer timeout (5 s) shorter
-    than a cold compile of its programs on a loaded machine."""
+    serving loop answers: a peer waiting for it sees it alive, with a short peer timeout (5 s)."""
     pm, ps, pl, _ = model({"num_microbatches": 4}, optimizer=fluidps.optimizer.Adam(0.01))
     lm, ls, ll, _ = model(None, optimizer=fluidps.optimizer.Adam(0.01))
     local = fluidps.Executor(compile=False)
