@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fluidps.errors import Error, ExecutionError
+from fluidps.errors import Error, ExecutionError, UnsupportedError
 from fluidps.executor.pipeline.stage import split_feed
 from fluidps.executor.remote.cluster import Cluster
 from fluidps.executor.remote.executor_server import STAGE
@@ -28,6 +28,24 @@ from fluidps.transpiler.pipeline import MERGED_SUFFIX, PipelineTranspiler
 
 
 class PipelineJob:
+    @classmethod
+    def deploy(
+        cls, cluster: Cluster, program: Program, startup: Program | None, values: Scope, trainers: int = 1
+    ) -> PipelineJob:
+        """Start the stages of `program` on `cluster` from `startup` and the client's `values`
+        (`trainers`: the replicas the JobDesc asks for)."""
+        if startup is None:
+            raise ExecutionError(
+                "run the startup program before training (exe.run(startup_program)): the stages "
+                "initialize their parameters from it"
+            )
+        if trainers > 1:
+            raise UnsupportedError(
+                f"JobDesc(trainers={trainers}) asks for replicas of the pipeline: a RemoteExecutor runs one "
+                "(one process per stage) for now; use trainers=1"
+            )
+        return cls(cluster, program, startup, values)
+
     def __init__(self, cluster: Cluster, program: Program, startup: Program, values: Scope):
         self.program = program
         self.plan = PipelineTranspiler().transpile(program)
@@ -77,6 +95,13 @@ class PipelineJob:
             raise ExecutionError(f"the pipeline failed at step {self.steps + 1}: {e}") from None
         self.steps += 1
         return [replies[self.stages[owner[n]]].tensors[n] for n in fetch_names]
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each stage's executor server's STATUS, by stage (its `pipeline` entry: StageRunner.stats)."""
+        replies = self._cluster.wait_all(
+            {k: (c, c.request(Message(Kind.STATUS))) for k, c in enumerate(self.stages)}
+        )
+        return [json.loads(replies[k].text) for k in range(len(self.stages))]
 
     def holders(self, name: str) -> list[int]:
         """The stages that hold persistable variable `name` (a weight several stages read: each)."""

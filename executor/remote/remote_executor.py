@@ -60,9 +60,9 @@ from fluidps.executor.scope import Scope
 from fluidps.executor.transport.rpc import RpcClient, RpcSettings, wait_all
 from fluidps.executor.transport.wire import Kind, Message, json_fields
 from fluidps.ir.program import Program
-from fluidps.ir.types import OpRole, to_numpy_dtype
+from fluidps.ir.types import OpRole
 from fluidps.ops.selected_rows import SelectedRows
-from fluidps.ops.sparse_table import SparseTable, TableSettings
+from fluidps.ops.sparse_table import SparseTable
 from fluidps.profiling import Profile
 from fluidps.transpiler.analysis import role, role_params
 from fluidps.transpiler.distribute import DistributeTranspiler
@@ -133,39 +133,29 @@ class RemoteExecutor:
         feed = dict(feed or {})
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
         if program.pipeline is not None:  # (PipelineOptimizer's): one process per stage
-            results = self._pipeline_job(program).step(feed, fetch_names)
-            return [np.asarray(v) if return_numpy and isinstance(v, np.ndarray) else v for v in results]
+            return self._pipeline_job(program).step(feed, fetch_names)
         if _trains(program):
             return self._train(program, feed, fetch_names)
         return self._run_here(program, feed, fetch_names, return_numpy)
 
     def _pipeline_job(self, program: Program) -> PipelineJob:
         """The job running pipeline program `program`: deployed at its first step."""
-        job = self._pipeline
-        if job is not None and job.program is not program:
-            raise UnsupportedError(
-                "this job already trains another program; one RemoteExecutor runs one training program"
-            )
         if self._deployment is not None:
             raise UnsupportedError("this job trains a parameter-server program; one RemoteExecutor runs one")
-        if job is None:
-            if self._startup is None:
-                raise ExecutionError(
-                    "run the startup program before training (exe.run(startup_program)): the stages "
-                    "initialize their parameters from it"
-                )
-            if self.job.trainers > 1:
-                raise UnsupportedError(
-                    f"JobDesc(trainers={self.job.trainers}) asks for replicas of the pipeline: a RemoteExecutor "
-                    "runs one (one process per stage) for now; use trainers=1"
-                )
+        if self._pipeline is None:
             try:
-                job = self._pipeline = PipelineJob(self._cluster, program, self._startup, self._local.scope)
-                self.scope.pipeline = job  # exe.scope reads and writes the stages' values from now on
+                self._pipeline = PipelineJob.deploy(
+                    self._cluster, program, self._startup, self._local.scope, self.job.trainers
+                )
             except Error as e:
                 self._failed = f"deploying the pipeline: {e}"
                 raise ExecutionError(f"the pipeline could not be deployed: {e}") from None
-        return job
+            self.scope.pipeline = self._pipeline  # exe.scope reads and writes the stages' values from now on
+        if self._pipeline.program is not program:
+            raise UnsupportedError(
+                "this job already trains another program; one RemoteExecutor runs one training program"
+            )
+        return self._pipeline
 
     def _run_here(
         self, program: Program, feed: dict[str, Any], fetch_names: list[str], return_numpy: bool
@@ -177,7 +167,7 @@ class RemoteExecutor:
                 self._startup = program  # what the pservers will initialize their slices with
             return self._local.run(program, feed, fetch_names, return_numpy=return_numpy)
         scope = Scope()
-        tables = self._hashed_rows(program, feed) if self._deployment is not None else {}
+        tables = self.scope.hashed_rows(program, feed)
         for name, value in self.scope.gather((reads | writes) - set(tables)).items():
             scope[name] = value.copy()
         for name, table in tables.items():
@@ -187,33 +177,6 @@ class RemoteExecutor:
         if changed:
             self.scope.scatter(changed)
         return results
-
-    def _hashed_rows(self, program: Program, feed: dict[str, Any]) -> dict[str, SparseTable]:
-        """For each hashed table the program reads, a local table holding the rows of the
-        fed ids (asked of the pservers): evaluating costs the batch, never the table."""
-        d = self._deployment
-        ids_of: dict[str, list[str]] = {}
-        for op in program.global_block().ops:
-            if op.type == "lookup_sparse_table":
-                ids_of.setdefault(op.input("W")[0], []).append(op.input("Ids")[0])
-        tables = {}
-        for table, names in ids_of.items():
-            shards = d.plan.slices_of(table)
-            if not shards:
-                continue
-            unfed = [n for n in names if n not in feed]
-            if unfed:
-                raise UnsupportedError(
-                    f"hashed table {table!r} lives on the pservers: its ids {unfed} must be fed to run this "
-                    "program outside a training step"
-                )
-            ids = np.unique(np.concatenate([np.asarray(feed[n], dtype=np.int64).reshape(-1) for n in names]))
-            ids = ids[ids >= 0]  # negative ids fail in the lookup, naming the table
-            dim, dtype = shards[0].shape[1], np.dtype(to_numpy_dtype(shards[0].dtype)).name
-            local = SparseTable(table, TableSettings(dim=dim, dtype=dtype), capacity=max(16, 2 * len(ids)))
-            local.rows.add(ids, self.scope.table_rows(table, ids))
-            tables[table] = local
-        return tables
 
     def run_batches(
         self,
@@ -499,11 +462,7 @@ class RemoteExecutor:
     def stage_stats(self) -> list[dict[str, Any]]:
         """Each pipeline stage's state, by stage (as trainer_stats, plus `pipeline`: its
         parameters and their bytes, and the most micro-batches' activations it held at once)."""
-        job = self._pipeline
-        if job is None:
-            return []
-        replies = wait_all({i: (c, c.request(Message(Kind.STATUS))) for i, c in enumerate(job.stages)})
-        return [json.loads(replies[i].text) for i in range(len(job.stages))]
+        return self._pipeline.stats() if self._pipeline is not None else []
 
     def trainer_stats(self) -> list[dict[str, Any]]:
         """Each trainer's state, by trainer id: the programs it holds, its background

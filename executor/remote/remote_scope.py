@@ -16,17 +16,18 @@ that does (PipelineJob).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fluidps.errors import ExecutionError
+from fluidps.errors import ExecutionError, UnsupportedError
 from fluidps.executor.scope import Scope, Value, as_value
 from fluidps.executor.transport.rpc import wait_all
 from fluidps.executor.transport.wire import Kind, Message
+from fluidps.ir.program import Program
 from fluidps.ir.types import to_numpy_dtype
-from fluidps.ops.sparse_table import owners
+from fluidps.ops.sparse_table import SparseTable, TableSettings, owners
 
 if TYPE_CHECKING:
     from fluidps.executor.remote.pipeline_job import PipelineJob
@@ -84,6 +85,33 @@ class RemoteScope:
             if s.block_id in replies:
                 rows[owner == s.block_id] = replies[s.block_id].tensors[s.name]
         return rows
+
+    def hashed_rows(self, program: Program, feed: Mapping[str, Any]) -> dict[str, SparseTable]:
+        """For each hashed table of the job `program` reads, a local table holding the rows of
+        the fed ids (asked of the pservers): evaluating costs the batch, never the table."""
+        d = self.deployment
+        ids_of: dict[str, list[str]] = {}
+        for op in program.global_block().ops:
+            if op.type == "lookup_sparse_table":
+                ids_of.setdefault(op.input("W")[0], []).append(op.input("Ids")[0])
+        tables = {}
+        for table, names in ids_of.items():
+            shards = d.plan.slices_of(table) if d is not None else []
+            if not shards:
+                continue
+            unfed = [n for n in names if n not in feed]
+            if unfed:
+                raise UnsupportedError(
+                    f"hashed table {table!r} lives on the pservers: its ids {unfed} must be fed to run this "
+                    "program outside a training step"
+                )
+            ids = np.unique(np.concatenate([np.asarray(feed[n], dtype=np.int64).reshape(-1) for n in names]))
+            ids = ids[ids >= 0]  # negative ids fail in the lookup, naming the table
+            dim, dtype = shards[0].shape[1], np.dtype(to_numpy_dtype(shards[0].dtype)).name
+            local = SparseTable(table, TableSettings(dim=dim, dtype=dtype), capacity=max(16, 2 * len(ids)))
+            local.rows.add(ids, self.table_rows(table, ids))
+            tables[table] = local
+        return tables
 
     def gather(self, names: Iterable[str]) -> dict[str, Value]:
         """The values of `names` the job holds (names it does not hold are left out)."""
