@@ -102,7 +102,6 @@ class BlockRunner:
         self._compiled = False  # compiled (or tried to): see Compiler.compile_after
         self._broken: set[int] = set()  # segments numba could not compile: interpreted
         self._ahead: CompileAhead | None = None  # compiling on a thread of its own (Compiler.background)
-        self._names = {n for op in block.ops for n in (*op.input_arg_names, *op.output_arg_names)}
         # Persistable variables this block writes (shared state when blocks run on threads).
         self.writes = {
             n
@@ -133,7 +132,8 @@ class BlockRunner:
         if ahead:  # (after the run: the block's temporaries are in env, and their types tell)
             from fluidps.executor.compiler.ahead import CompileAhead, argument_types
 
-            types = argument_types(env, self._names)
+            names = {n for op in self.block.ops for n in (*op.input_arg_names, *op.output_arg_names)}
+            types = argument_types(env, names)
             self._ahead = CompileAhead(self.block, self._compiler, self._keep, types)
 
     def _run_ops(self, env: Any) -> None:

@@ -414,16 +414,7 @@ class Executor:
         if cached is None:
             raise ExecutionError("pipeline_stats: this executor has not run that pipeline program")
         pipeline = cached[1]
-        return [
-            {
-                "stage": s.stage,
-                "peak_live_microbatches": pipeline.peak_live[s.stage],
-                "param_bytes": s.param_bytes,
-                "params": list(s.params),
-                "steps": pipeline.steps,
-            }
-            for s in pipeline.plan.stages
-        ]
+        return [{**runner.stats(), "steps": pipeline.steps} for runner in pipeline.runners]
 
     def compiled_ops(self) -> int:
         """How many ops of the programs it ran run inside compiled segments (a block is

@@ -5,7 +5,7 @@ The mini-batch is cut into m micro-batches along its first dimension. Each
 stage follows its schedule (PipelinePlan.schedule); a stage's next action runs
 once the values it receives for that micro-batch are there, so the stages
 interleave as processes would, and each keeps only the activations its
-schedule holds (`peak_live` counts them). Then each stage's optimize phase runs
+schedule holds (each StageRunner's `peak_live` counts them). Then each stage's optimize phase runs
 once. Values cross stages through a LocalChannel, keyed by (from, to, variable,
 micro-batch): the section programs' own send_v2 / recv_v2 ops move them.
 
@@ -66,11 +66,6 @@ class LocalPipeline:
         self._channel = channel
         self.runners = [StageRunner(s, plan.config, run, channel) for s in plan.stages]
         self.steps = 0
-
-    @property
-    def peak_live(self) -> list[int]:
-        """Per stage, the most micro-batches' activations it held at once."""
-        return [r.peak_live for r in self.runners]
 
     def step(self, scope: Any, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> list[Any]:
         plan = self.plan

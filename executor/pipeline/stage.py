@@ -86,6 +86,15 @@ class StageRunner:
         self.optimize(scope)
         return {name: self.whole(name) for name in self._wanted}
 
+    def stats(self) -> dict[str, Any]:
+        """Its parameters and their bytes, and the most micro-batches' activations it held at once."""
+        return {
+            "stage": self.plan.stage,
+            "params": list(self.plan.params),
+            "param_bytes": self.plan.param_bytes,
+            "peak_live_microbatches": self.peak_live,
+        }
+
     def whole(self, name: str) -> Any:
         """A fetched variable's value for the mini-batch, from its micro-batches' values:
         per-example values joined, a mean averaged."""
@@ -103,19 +112,24 @@ class StageRunner:
         )
 
 
-def split_feed(feed: Mapping[str, Any], m: int, read: set[str]) -> list[dict[str, Any]]:
-    """The feed cut into `m` equal micro-batches along the first dimension."""
-    pieces: list[dict[str, Any]] = [{} for _ in range(m)]
+def check_feed(feed: Mapping[str, Any], m: int) -> None:
+    """FeedError naming the first fed value `m` micro-batches cannot share equally."""
     for name, value in feed.items():
-        array = np.asarray(value)
-        if array.ndim == 0 or array.shape[0] % m:
-            rows = "a scalar" if array.ndim == 0 else f"{array.shape[0]} rows"
+        shape = np.shape(value)
+        if not shape or shape[0] % m:
+            rows = "a scalar" if not shape else f"{shape[0]} rows"
             raise FeedError(
                 f"feed {name!r} has {rows}, which {m} micro-batches cannot share equally: feed a batch whose "
                 f"size is a multiple of num_microbatches={m}, or change num_microbatches"
             )
-        if name not in read:
-            continue
-        for k, part in enumerate(np.split(array, m)):
+
+
+def split_feed(feed: Mapping[str, Any], m: int, read: set[str]) -> list[dict[str, Any]]:
+    """The feed cut into `m` equal micro-batches along the first dimension (the values of
+    `read` only; every value checked)."""
+    check_feed(feed, m)
+    pieces: list[dict[str, Any]] = [{} for _ in range(m)]
+    for name in read & feed.keys():
+        for k, part in enumerate(np.split(np.asarray(feed[name]), m)):
             pieces[k][name] = part
     return pieces

@@ -250,7 +250,8 @@ class ExecutorServer:
             if value is None:
                 raise Error(f"stage {runner.plan.stage} neither makes nor holds {name!r}")
             values[name] = np.array(value, copy=True) if name not in made else value
-        self._ran[STAGE] = (self._ran.get(STAGE, (0, 0))[0] + 1, self._ran.get(STAGE, (0, 0))[1] + 1)
+        runs, batches = self._ran.get(STAGE, (0, 0))
+        self._ran[STAGE] = (runs + 1, batches + 1)
         return {"values": values, "samples": None}
 
     def _program(self, name: str) -> Program:
@@ -332,14 +333,7 @@ class ExecutorServer:
         }
 
     def _stage_stats(self) -> dict[str, Any]:
-        runner = self._stage_runner
-        return {
-            "stage": runner.plan.stage,
-            "steps": self._stage_channel.step,
-            "params": list(runner.plan.params),
-            "param_bytes": runner.plan.param_bytes,
-            "peak_live_microbatches": runner.peak_live,
-        }
+        return {**self._stage_runner.stats(), "steps": self._stage_channel.step}
 
     # -- runs on a worker thread ---------------------------------------------------------------
 

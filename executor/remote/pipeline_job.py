@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fluidps.errors import Error, ExecutionError, UnsupportedError
-from fluidps.executor.pipeline.stage import split_feed
+from fluidps.executor.pipeline.stage import check_feed
 from fluidps.executor.remote.cluster import Cluster
 from fluidps.executor.remote.executor_server import STAGE
 from fluidps.executor.scope import Scope
@@ -75,7 +75,7 @@ class PipelineJob:
                 client.call(Message(Kind.SET, tensors=tensors))
 
     def step(self, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> list[Any]:
-        split_feed(feed, self.plan.config.num_microbatches, set())  # refused here, naming the feed
+        check_feed(feed, self.plan.config.num_microbatches)  # (here, before any stage is sent a step)
         owner = {name: self._owner(name) for name in fetch_names}
         requests = {}
         for k, client in enumerate(self.stages):
