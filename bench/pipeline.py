@@ -14,7 +14,10 @@ Rows (JSON, one per line):
   rate (vs_local), the ideal p*m / (m + p - 1) for p stages and m micro-batches, and the
   ratio to local at default threading; micro_batching_cost, the plain program's rate over
   the pipeline program's in one process (smaller GEMMs, m runs of each phase, the gradient
-  sums), and reachable = ideal / micro_batching_cost.
+  sums), and reachable = ideal / micro_batching_cost; gemm_limit, the ideal scaled by what
+  the model's matrix products alone lose when cut into micro-batches (the executor's own
+  GEMM, timed in the same run at the full batch and at batch/m rows): what the stages
+  could reach if a micro-batch cost nothing but its products.
 The model is balanced: half the hidden layers on each stage, the classifier on the last.
 """
 
@@ -87,6 +90,40 @@ def rate(run, feeds, steps: int, repeats: int, warmup: int) -> float:
             run(feeds[i % len(feeds)])
         rates.append(steps / (time.perf_counter() - start))
     return statistics.median(rates)
+
+
+def gemm_seconds(width: int, layers: int, rows: int, repeats: int = 3) -> float:
+    """Seconds of one pass of the model's matrix products at `rows` rows: per layer the
+    forward product, the input gradient and the weight gradient, through the compiled
+    executor's GEMM (the numba np.dot its mul lowering calls). Best of `repeats`."""
+    from fluidps.ops.matmul import _gemm
+
+    rng = np.random.default_rng(0)
+    shapes = [(width, width)] * layers + [(width, 10)]
+    weights = [rng.normal(size=s).astype("float32") for s in shapes]
+    inputs = [rng.normal(size=(rows, s[0])).astype("float32") for s in shapes]
+    grads = [rng.normal(size=(rows, s[1])).astype("float32") for s in shapes]
+
+    def one_pass() -> None:
+        for w, x, d in zip(weights, inputs, grads, strict=True):
+            _gemm(x, w)
+            _gemm(d, w.T)
+            _gemm(x.T, d)
+
+    one_pass()  # (the compile)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        one_pass()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_cost(args, m: int) -> float:
+    """What cutting the batch into m micro-batches costs the model's products alone:
+    m passes at batch/m rows over one pass at the full batch."""
+    full = gemm_seconds(args.width, args.layers, args.batch)
+    return m * gemm_seconds(args.width, args.layers, args.batch // m) / full
 
 
 def local_rate(args) -> float:
@@ -182,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                     "samples_per_s": round(steps_per_s * args.batch, 1), "ideal": round(ideal, 3),
                     "loss": round(loss, 4), "threads_per_stage": 1, **common,
                     "one_process_samples_per_s": round(one_process * args.batch, 1),
+                    "gemm_cost": round(gemm_cost(args, m), 3),
                 }
             )  # fmt: skip
     after = local_rate(args)
@@ -200,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         # the plain program): the ideal scaled by it is what the stages could reach
         row["micro_batching_cost"] = round(local * args.batch / row["one_process_samples_per_s"], 3)
         row["reachable"] = round(row["ideal"] / row["micro_batching_cost"], 3)
+        row["gemm_limit"] = round(row["ideal"] / row["gemm_cost"], 3)
         row["vs_local_default_threads"] = round(row["samples_per_s"] / (default * args.batch), 3)
         print(json.dumps(row), flush=True)
 

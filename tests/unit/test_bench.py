@@ -321,4 +321,6 @@ def test_the_pipeline_bench_compares_each_schedule_with_local_training():
         assert r["samples_per_s"] > 0 and r["ideal"] == pytest.approx(4 / 3, rel=1e-3)
         assert r["vs_local"] == pytest.approx(r["samples_per_s"] / local["samples_per_s"], rel=1e-2, abs=1e-3)
         assert r["reachable"] == pytest.approx(r["ideal"] / r["micro_batching_cost"], rel=1e-2, abs=1e-3)
+        assert r["gemm_cost"] > 0
+        assert r["gemm_limit"] == pytest.approx(r["ideal"] / r["gemm_cost"], rel=1e-2, abs=1e-3)
     assert pipeline[0]["loss"] == pipeline[1]["loss"]  # both schedules train the same
