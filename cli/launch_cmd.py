@@ -27,8 +27,13 @@ class _OneLineErrors(click.Command):
 # Everything after SCRIPT belongs to the script, options included: click stops
 # looking for its own options at the first positional argument.
 @click.command(cls=_OneLineErrors, context_settings={"allow_interspersed_args": False})
-@click.option("--pservers", type=click.IntRange(min=1), required=True, help="How many pservers.")
-@click.option("--trainers", type=click.IntRange(min=1), required=True, help="How many trainers.")
+@click.option("--pservers", type=click.IntRange(min=1), help="How many pservers.")
+@click.option("--trainers", type=click.IntRange(min=1), help="How many trainers.")
+@click.option(
+    "--stages",
+    type=click.IntRange(min=1),
+    help="Run a pipeline (a PipelineOptimizer program) instead: one process per stage, no pserver.",
+)
 @click.option("--mode", type=click.Choice(MODES), default="sync", show_default=True, help="FLUIDPS_MODE.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the pservers listen on.")
 @click.option(
@@ -78,8 +83,9 @@ class _OneLineErrors(click.Command):
 @click.argument("script", metavar="SCRIPT.py")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 def launch(
-    pservers: int,
-    trainers: int,
+    pservers: int | None,
+    trainers: int | None,
+    stages: int | None,
     mode: str,
     host: str,
     start_port: int | None,
@@ -98,7 +104,8 @@ def launch(
     script: str,
     script_args: tuple[str, ...],
 ) -> None:
-    """Run SCRIPT.py as a job of N pservers and M trainers on this machine.
+    """Run SCRIPT.py as a job of N pservers and M trainers on this machine, or as a
+    pipeline of P stage processes (--stages P).
 
     Each process gets Paddle's environment contract (TRAINING_ROLE, PADDLE_TRAINER_ID,
     PADDLE_TRAINERS_NUM, PADDLE_PSERVERS_IP_PORT_LIST, POD_IP, PADDLE_PORT) and
@@ -111,11 +118,24 @@ def launch(
     them), pservers checkpoint, and a process that dies is started again: a
     pserver from its newest checkpoint, the coordinator from its snapshot, a trainer
     rejoining while its task goes to another. The job ends when every pass is done.
+
+    With --stages P, process k ("[stage.k] ") is pipeline stage k (FLUIDPS_STAGE,
+    FLUIDPS_STAGE_ENDPOINTS): fluidps.transpile_for_role gives it its stage's programs,
+    and it exchanges activations and gradients with the other stages directly. The job
+    ends when every stage exited 0.
     """
+    if stages is not None:
+        if pservers is not None or trainers is not None or dataset is not None:
+            fail(
+                "--stages runs one replica of a pipeline without pservers: give no --pservers, --trainers or --dataset"
+            )
+        pservers, trainers = 0, 1
+    elif pservers is None or trainers is None:
+        fail("give --pservers and --trainers (a parameter-server job), or --stages (a pipeline)")
     try:
         common = (script, script_args, pservers, trainers, mode, host, start_port, log_dir, grace)
         if dataset is None:
-            status = Launcher(*common, bind_cores=bind_cores).run()
+            status = Launcher(*common, bind_cores=bind_cores, stages=stages or 0).run()
         else:
             job = DatasetJob(
                 dataset,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from sklearn.datasets import load_digits
@@ -46,6 +47,18 @@ def build(hidden: int = 256, learning_rate: float = 0.001, seed: int = 1):
     return main, startup, test_program, loss, accuracy
 
 
+def shuffled_batches(
+    examples: int, epochs: int, batch_size: int, seed: int, drop_last: bool = False
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(epoch, indices) of each mini-batch: every epoch a new permutation of the examples."""
+    rng = np.random.default_rng(seed)
+    per_epoch = examples // batch_size if drop_last else int(np.ceil(examples / batch_size))
+    for epoch in range(epochs):
+        order = rng.permutation(examples)
+        for i in range(0, per_epoch * batch_size, batch_size):
+            yield epoch, order[i : i + batch_size]
+
+
 def fit(
     model, data, epochs: int, batch_size: int, seed: int, progress: bool, name: str, drop_last: bool = False
 ) -> dict:
@@ -57,21 +70,15 @@ def fit(
     x_train, x_test, y_train, y_test = data
     exe = fluidps.Executor()
     exe.run(startup)
-    rng = np.random.default_rng(seed)
-    per_epoch = len(x_train) // batch_size if drop_last else int(np.ceil(len(x_train) / batch_size))
-    steps = epochs * per_epoch
+    batches = list(shuffled_batches(len(x_train), epochs, batch_size, seed, drop_last))
+    steps = len(batches)
     bar = tqdm(total=steps, desc=name, unit="step", disable=not progress)
     loss_value = float("nan")  # (no epochs: nothing trained)
     start = time.perf_counter()
-    for epoch in range(epochs):
-        order = rng.permutation(len(x_train))
-        for i in range(0, per_epoch * batch_size, batch_size):
-            idx = order[i : i + batch_size]
-            (loss_value,) = exe.run(
-                main, feed={"image": x_train[idx], "label": y_train[idx]}, fetch_list=[loss]
-            )
-            bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss_value):.4f}")
-            bar.update()
+    for epoch, idx in batches:
+        (loss_value,) = exe.run(main, feed={"image": x_train[idx], "label": y_train[idx]}, fetch_list=[loss])
+        bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss_value):.4f}")
+        bar.update()
     seconds = time.perf_counter() - start
     bar.close()
     (test_accuracy,) = exe.run(test_program, feed={"image": x_test, "label": y_test}, fetch_list=[accuracy])

@@ -5,18 +5,30 @@
     fluidps transpile pipeline/main.pb --pipeline --microbatches 4 -o pipeline/stages
     fluidps dot pipeline/main.pb -o pipeline/main.svg  # each op in its stage's colour
 
+    # The Fluid way: this script in one process per stage, each training its stage.
+    fluidps launch --stages 2 examples/digits_pipeline.py --epochs 5
+
 The first two layers run on stage 0, the classifier and the loss on stage 1;
 PipelineOptimizer cuts each batch of 64 into 4 micro-batches on the 1F1B
 schedule and updates once a batch with their gradients' sum, so training
 follows examples/digits_mlp.py's.
+
+Launched, every process builds the same model and reads the same batches;
+`fluidps.transpile_for_role` gives it its stage's programs (what `fluidps launch`
+told it: FLUIDPS_STAGE), whose Executor.run trains that stage alone, passing
+activations and gradients to the other stage's process. The last stage reports
+the loss; with --out each stage saves the parameters it trained.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 from pathlib import Path
 
-from digits_mlp import fit, load_data, report
+import numpy as np
+from digits_mlp import fit, load_data, report, shuffled_batches
 
 import fluidps
 from fluidps import layers, optimizer
@@ -53,6 +65,33 @@ def train(
     return fit(model, load_data(seed), epochs, batch_size, seed, progress, "digits_pipeline", drop_last=True)
 
 
+def train_stage(epochs: int, batch_size: int = 64, seed: int = 0, out: Path | None = None) -> None:
+    """This process's stage of a launched pipeline, on the batches train() would take."""
+    role = fluidps.role_from_env()
+    main, startup, _, loss, _ = build(seed=seed + 1)
+    mine = fluidps.transpile_for_role(role, main, startup)
+    x_train, _, y_train, _ = load_data(seed)
+    last = role.stage == mine.plan.num_stages - 1  # the stage that computes the loss
+    exe = fluidps.Executor()
+    try:
+        exe.run(mine.startup)  # this stage's parameters only
+        batches = shuffled_batches(len(x_train), epochs, batch_size, seed, drop_last=True)
+        for epoch, group in itertools.groupby(batches, key=lambda batch: batch[0]):
+            losses = []
+            for _, idx in group:
+                feed = {"image": x_train[idx], "label": y_train[idx]}
+                losses += exe.run(mine.main, feed=feed, fetch_list=[loss] if last else [])
+            if last:
+                print(f"epoch {epoch + 1}: loss {np.mean(losses):.4f}", flush=True)
+        params = mine.plan.stages[role.stage].params
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            np.savez(out / f"stage.{role.stage}.npz", **{n: exe.scope[n] for n in params})
+        print(f"stage {role.stage}: {len(params)} parameters trained", flush=True)
+    finally:
+        exe.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -61,7 +100,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="directory to save main.pb / startup.pb in")
     args = parser.parse_args()
-    report(train(args.epochs, seed=args.seed, out=args.out))
+    if os.environ.get("FLUIDPS_STAGE"):  # (fluidps launch --stages)
+        train_stage(args.epochs, seed=args.seed, out=args.out)
+    else:
+        report(train(args.epochs, seed=args.seed, out=args.out))
 
 
 if __name__ == "__main__":

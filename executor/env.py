@@ -12,6 +12,10 @@ manifests runs unchanged:
   FLUIDPS_MODE                  sync (default), async or ssp
   FLUIDPS_DATASET               the dataset the trainers read, in a job with a coordinator
   FLUIDPS_COORDINATOR           the coordinator's address, where readers get their tasks
+  FLUIDPS_STAGE                 a pipeline stage's process (fluidps launch --stages): its stage,
+                                0 .. the number of stages - 1; PADDLE_PSERVERS_IP_PORT_LIST may
+                                then be unset (a pipeline of one replica needs no pserver)
+  FLUIDPS_STAGE_ENDPOINTS       every stage process's endpoint, comma-separated, in stage order
 
 `fluidps launch` sets them for every process it starts. These configure how a
 process's runtime talks to the others (`runtime_config_from_env`; an Executor
@@ -86,6 +90,8 @@ CONTRACT_VARS = (
     "FLUIDPS_MODE",
     "FLUIDPS_DATASET",
     "FLUIDPS_COORDINATOR",
+    "FLUIDPS_STAGE",
+    "FLUIDPS_STAGE_ENDPOINTS",
     "FLUIDPS_ELASTIC",
     "FLUIDPS_CHECKPOINT_DIR",
     "FLUIDPS_CHECKPOINT_EVERY_STEPS",
@@ -114,10 +120,18 @@ class RoleInfo:
     current_endpoint: str | None
     mode: str = "sync"
     dataset: str | None = None  # FLUIDPS_DATASET: what a job with a coordinator reads
+    # A pipeline stage's process (FLUIDPS_STAGE): its stage, and every stage's endpoint.
+    stage: int | None = None
+    stage_endpoints: tuple[str, ...] = ()
 
     @property
     def is_pserver(self) -> bool:
         return self.role == "PSERVER"
+
+    @property
+    def is_stage(self) -> bool:
+        """Whether this process runs one stage of a launched pipeline."""
+        return self.stage is not None
 
     @property
     def is_trainer(self) -> bool:
@@ -163,9 +177,15 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     if role not in ROLES:
         raise BuilderError(f"TRAINING_ROLE={role!r} is invalid: it should hold PSERVER or TRAINER")
     trainers = _int(env, "PADDLE_TRAINERS_NUM", "the number of trainers, an integer >= 1", 1)
-    endpoints = parse_endpoints(
-        _get(env, "PADDLE_PSERVERS_IP_PORT_LIST", "comma-separated pserver endpoints host:port"),
-        "PADDLE_PSERVERS_IP_PORT_LIST",
+    stage, stage_endpoints = _stage(env, role)
+    pservers = env.get("PADDLE_PSERVERS_IP_PORT_LIST", "").strip()
+    endpoints = (
+        ()
+        if stage is not None and not pservers
+        else parse_endpoints(
+            _get(env, "PADDLE_PSERVERS_IP_PORT_LIST", "comma-separated pserver endpoints host:port"),
+            "PADDLE_PSERVERS_IP_PORT_LIST",
+        )
     )
     id_what = f"this trainer's rank, an integer from 0 to {trainers - 1} (PADDLE_TRAINERS_NUM - 1)"
     mode = env.get("FLUIDPS_MODE", "").strip() or "sync"
@@ -175,7 +195,7 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     dataset = env.get("FLUIDPS_DATASET", "").strip() or None
     if role == "TRAINER":
         trainer_id = _int(env, "PADDLE_TRAINER_ID", id_what, 0, trainers - 1)
-        return RoleInfo(role, trainer_id, trainers, endpoints, None, mode, dataset)
+        return RoleInfo(role, trainer_id, trainers, endpoints, None, mode, dataset, stage, stage_endpoints)
 
     # Paddle leaves PADDLE_TRAINER_ID unset on pservers; a value that is there must still be sane.
     has_id = env.get("PADDLE_TRAINER_ID", "").strip() != ""
@@ -183,6 +203,22 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     pod_ip = _get(env, "POD_IP", "this pserver's host or IP address")
     port = _int(env, "PADDLE_PORT", "this pserver's TCP port, an integer from 1 to 65535", 1, 65535)
     return RoleInfo(role, trainer_id, trainers, endpoints, format_endpoint(pod_ip, port), mode, dataset)
+
+
+def _stage(env: Mapping[str, str], role: str) -> tuple[int | None, tuple[str, ...]]:
+    """FLUIDPS_STAGE and FLUIDPS_STAGE_ENDPOINTS: (None, ()) when this is no stage's process."""
+    if not env.get("FLUIDPS_STAGE", "").strip():
+        return None, ()
+    if role != "TRAINER":
+        raise BuilderError(f"FLUIDPS_STAGE is set for a {role}: a pipeline stage's process is a TRAINER")
+    endpoints = tuple(
+        parse_endpoints(
+            _get(env, "FLUIDPS_STAGE_ENDPOINTS", "every stage's endpoint, comma-separated host:port"),
+            "FLUIDPS_STAGE_ENDPOINTS",
+        )
+    )
+    what = f"this process's pipeline stage, an integer from 0 to {len(endpoints) - 1}"
+    return _int(env, "FLUIDPS_STAGE", what, 0, len(endpoints) - 1), endpoints
 
 
 # -- what a process's runtime takes from the environment -----------------------------------

@@ -33,6 +33,7 @@ from fluidps.ops.selected_rows import SelectedRows
 if TYPE_CHECKING:
     from fluidps.executor.compiler import Compiler
     from fluidps.executor.pipeline.local import LocalPipeline
+    from fluidps.executor.pipeline.process import StageProcess
 
 FetchTarget = Variable | str
 # The feed of the step after this one: given, or a function giving it when asked (None: not known)
@@ -279,6 +280,8 @@ class Executor:
         self._pipelines: weakref.WeakKeyDictionary[Program, tuple[int, LocalPipeline, Executor]] = (
             weakref.WeakKeyDictionary()
         )
+        # A launched stage's program (PipelineConfig.this_stage), its revision, and its process.
+        self._stage: tuple[weakref.ref[Program], int, StageProcess] | None = None
         self._runtime: Runtime | None = None
         if compile is None:
             from fluidps.executor.env import compile_from_env
@@ -329,10 +332,10 @@ class Executor:
             raise ProgramError("Executor.run needs a Program (fluidps has no default program)")
         feed = dict(feed or {})
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
-        if (
-            program.pipeline is not None
-        ):  # (PipelineOptimizer's): micro-batch by micro-batch through its stages
-            results = self._pipeline(program).step(self.scope if scope is None else scope, feed, fetch_names)
+        if (config := program.pipeline) is not None:  # (PipelineOptimizer's): micro-batch by micro-batch
+            # through its stages here, or through this process's stage of a launched pipeline
+            pipeline = self._pipeline(program) if config.this_stage is None else self._stage_process(program)
+            results = pipeline.step(self.scope if scope is None else scope, feed, fetch_names)
             return [_to_numpy(v) if return_numpy else v for v in results]
         prepared = self.prepare(program, feed.keys(), fetch_names)
         return prepared.run(self.scope if scope is None else scope, feed, return_numpy, next_feed)
@@ -407,9 +410,47 @@ class Executor:
             cached = self._pipelines[program] = (program.revision, LocalPipeline(plan, run, channel), stages)
         return cached[1]
 
+    def _stage_process(self, program: Program) -> StageProcess:
+        """This process's stage of a launched pipeline (one per Executor: it serves the
+        stage's endpoint), made at the first run of its program."""
+        from fluidps.endpoints import zmq_address
+        from fluidps.executor.pipeline.channel import RemoteStageChannel
+        from fluidps.executor.pipeline.process import StageProcess, StageServer
+        from fluidps.transpiler.pipeline import PipelineTranspiler
+
+        if self._stage is not None:
+            ref, revision, process = self._stage
+            if ref() is program and revision == program.revision:
+                return process
+            raise ExecutionError(
+                f"this Executor runs stage {process.stage.stage} of a launched pipeline already, from another "
+                "program (or one changed since its first step): run one stage program per process"
+            )
+        verify_program(program)
+        config = program.pipeline
+        plan = PipelineTranspiler().transpile(program)
+        this = config.this_stage
+        endpoints = [zmq_address(e) for e in this.endpoints]
+        runtime = self.runtime
+        context = runtime.context_for(endpoints[this.stage])
+        channel = RemoteStageChannel(
+            this.stage, endpoints, runtime.settings, context, config.num_microbatches
+        )
+        runtime.attach_stages(channel)
+        server = StageServer(context, endpoints[this.stage], channel, runtime.settings)
+
+        def run(stage_program: Program, feed: Mapping[str, Any], fetch: Sequence[str], scope: Scope) -> list:
+            return self.run(stage_program, feed=feed, fetch_list=list(fetch), scope=scope, return_numpy=False)
+
+        process = StageProcess(plan, config, run, channel, server)
+        self._stage = (weakref.ref(program), program.revision, process)
+        return process
+
     def pipeline_stats(self, program: Program) -> list[dict[str, Any]]:
         """Per stage of a pipeline program this executor ran: the most micro-batches'
         activations it held at once (`peak_live_microbatches`), its parameters' bytes."""
+        if self._stage is not None and self._stage[0]() is program:  # a launched stage: its own
+            return [self._stage[2].stats()]
         cached = self._pipelines.get(program)
         if cached is None:
             raise ExecutionError("pipeline_stats: this executor has not run that pipeline program")
@@ -441,6 +482,9 @@ class Executor:
         trainer is done (Fluid's exe.close()). Returns the problems met on the way (a
         pserver already gone) instead of raising them."""
         self._cache = weakref.WeakKeyDictionary()
+        if self._stage is not None:  # (before the runtime's context ends under its sockets)
+            self._stage[2].close(self._runtime.settings.peer_timeout)
+            self._stage = None
         problems = self._runtime.close() if self._runtime is not None else []
         self._runtime = None
         return problems

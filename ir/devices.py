@@ -42,6 +42,31 @@ SCHEDULES = ("1F1B", "F-then-B")  # Paddle's names; F-then-B is GPipe's
 
 
 @dataclass(frozen=True)
+class StageEndpoints:
+    """Which stage of a pipeline this process runs (`stage`) and where every stage's
+    process takes its peers' values (`endpoints`, "host:port" in stage order): what
+    fluidps.transpile_for_role records on the program of a process `fluidps launch
+    --stages` started, so that Executor.run runs that stage only."""
+
+    stage: int
+    endpoints: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.endpoints or not all(isinstance(e, str) and e for e in self.endpoints):
+            raise BuilderError(f"a launched pipeline needs one endpoint per stage, got {self.endpoints!r}")
+        if len(set(self.endpoints)) != len(self.endpoints):
+            raise BuilderError(f"the stages' endpoints must differ, got {', '.join(self.endpoints)}")
+        if (
+            isinstance(self.stage, bool)
+            or not isinstance(self.stage, int)
+            or not 0 <= self.stage < len(self.endpoints)
+        ):
+            raise BuilderError(
+                f"stage {self.stage!r} is not one of the {len(self.endpoints)} stages the endpoints name"
+            )
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     """What fluidps.optimizer.PipelineOptimizer records on a program (`program.pipeline`):
     each mini-batch is cut into `num_microbatches` equal micro-batches that go through
@@ -52,6 +77,8 @@ class PipelineConfig:
     num_microbatches: int
     schedule_mode: str = "1F1B"
     num_stages: int = 1
+    # Set on a launched stage process's program: it runs this stage only (Executor.run).
+    this_stage: StageEndpoints | None = None
 
     def __post_init__(self) -> None:
         m = self.num_microbatches
@@ -64,3 +91,8 @@ class PipelineConfig:
         p = self.num_stages
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
             raise BuilderError(f"num_stages must be an integer >= 1, got {p!r}")
+        if self.this_stage is not None and len(self.this_stage.endpoints) != p:
+            raise BuilderError(
+                f"the program has {p} pipeline stages but {len(self.this_stage.endpoints)} stage processes were "
+                f"started: launch it with --stages {p}"
+            )

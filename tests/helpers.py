@@ -139,3 +139,30 @@ def staged_mlp(pipeline: dict | None, stages: int = 2, optimizer=None, seed: int
         else:
             fluidps.optimizer.PipelineOptimizer(inner, **pipeline).minimize(loss)
     return main, startup, loss, logits
+
+
+def shared_weight_mlp(optimizer, pipeline: dict | None):
+    """One weight matrix read on both stages (updated once, with both gradients), 16 inputs,
+    5 classes; minimized with PipelineOptimizer(optimizer, **pipeline), or plainly (and with
+    no stages) when `pipeline` is None. Returns (main, startup, loss, logits)."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 3
+
+    def on(stage: int):
+        return fluidps.device_guard(f"stage:{stage}" if pipeline is not None else None)
+
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [16])
+        y = layers.data("y", [1], dtype="int64")
+        shared = fluidps.ParamAttr(name="shared_w")
+        with on(0):
+            h = layers.fc(x, 16, act="tanh", param_attr=shared)
+        with on(1):
+            h = layers.fc(h, 16, act="tanh", param_attr=shared)
+            logits = layers.fc(h, 5)
+            loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
+        if pipeline is None:
+            optimizer.minimize(loss)
+        else:
+            fluidps.optimizer.PipelineOptimizer(optimizer, **pipeline).minimize(loss)
+    return main, startup, loss, logits

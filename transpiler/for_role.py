@@ -11,13 +11,16 @@ manifest) sets.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from fluidps.errors import BuilderError
+from fluidps.errors import BuilderError, UnsupportedError
+from fluidps.ir.devices import StageEndpoints
 from fluidps.ir.program import Program
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
+from fluidps.transpiler.pipeline import PipelineTranspiler, check_shared_seeds, stage_startup
+from fluidps.transpiler.pipeline_plan import PipelinePlan
 from fluidps.transpiler.plan import DistributedPlan
 
 
@@ -42,6 +45,12 @@ class ProcessRole(Protocol):
     @property
     def mode(self) -> str: ...
 
+    @property
+    def stage(self) -> int | None: ...
+
+    @property
+    def stage_endpoints(self) -> Sequence[str]: ...
+
 
 @dataclass(frozen=True)
 class RolePrograms:
@@ -52,7 +61,7 @@ class RolePrograms:
 
     main: Program
     startup: Program
-    plan: DistributedPlan
+    plan: DistributedPlan | PipelinePlan
 
 
 def transpile_for_role(
@@ -64,6 +73,11 @@ def transpile_for_role(
     """Transpile `program` (with its optimizer ops) and `startup_program` for the job
     `role` belongs to, and return the programs this process runs: pserver
     `role.current_endpoint`'s, or trainer `role.trainer_id`'s.
+
+    A pipeline stage's process (`role.stage`, from `fluidps launch --stages`) gets the
+    pipeline program (PipelineOptimizer's) bound to its stage, which Executor.run runs
+    as that stage alone, talking to the other stages' processes; and its part of the
+    startup program (what the stage holds).
 
     `config` says how to transpile (default: DistributeTranspilerConfig(mode=role.mode));
     its mode must be the role's, which the launcher gives every process of the job.
@@ -80,6 +94,8 @@ def transpile_for_role(
             for batch in batches:
                 exe.run(mine.main, feed=batch, fetch_list=[loss])
     """
+    if role.stage is not None:
+        return _stage_programs(role, program, startup_program)
     if config is None:
         config = DistributeTranspilerConfig(mode=role.mode)
     elif config.mode != role.mode:
@@ -101,3 +117,27 @@ def transpile_for_role(
         main, startup = transpiler.get_pserver_programs(role.current_endpoint)
         return RolePrograms(main, startup, plan)
     return RolePrograms(transpiler.get_trainer_program(), transpiler.get_trainer_startup_program(), plan)
+
+
+def _stage_programs(role: ProcessRole, program: Program, startup_program: Program) -> RolePrograms:
+    if program.pipeline is None:
+        raise BuilderError(
+            f"this process is pipeline stage {role.stage} (FLUIDPS_STAGE) but the program has no pipeline: "
+            "minimize its loss with fluidps.optimizer.PipelineOptimizer, or launch it without --stages"
+        )
+    if role.trainers > 1:
+        raise UnsupportedError(
+            f"a launched pipeline runs one replica for now, not {role.trainers} (PADDLE_TRAINERS_NUM)"
+        )
+    this = StageEndpoints(role.stage, tuple(role.stage_endpoints))
+    config = replace(program.pipeline, this_stage=None)
+    plan = PipelineTranspiler().transpile(program, config)
+    if plan.num_stages != len(this.endpoints):
+        raise BuilderError(
+            f"the program has {plan.num_stages} pipeline stages but {len(this.endpoints)} stage processes were "
+            f"started (FLUIDPS_STAGE_ENDPOINTS): launch it with --stages {plan.num_stages}"
+        )
+    check_shared_seeds(startup_program, plan)
+    main = program.clone()
+    main.pipeline = replace(plan.config, this_stage=this)
+    return RolePrograms(main, stage_startup(startup_program, plan, role.stage), plan)

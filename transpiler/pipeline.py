@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from fluidps.errors import UnsupportedError
+from fluidps.errors import BuilderError, UnsupportedError
 from fluidps.ir.devices import PipelineConfig
 from fluidps.ir.operator import Operator
 from fluidps.ir.program import Block, Program
@@ -33,9 +33,8 @@ from fluidps.ir.stages import EVERY_STAGE, StageMap, assign_stages, phase
 from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_ATTR, OpRole, VarType, to_numpy_dtype
 from fluidps.ops import REGISTRY, verify
 from fluidps.transpiler.analysis import ParamUpdate, analyze
-from fluidps.transpiler.pipeline_plan import Crossing, PipelinePlan, StagePlan, dtype_size
+from fluidps.transpiler.pipeline_plan import MERGED_SUFFIX, Crossing, PipelinePlan, StagePlan, dtype_size
 
-MERGED_SUFFIX = "@MERGED"
 _ROLE = {"forward": OpRole.Forward, "backward": OpRole.Backward, "optimize": OpRole.Optimize}
 
 
@@ -154,6 +153,31 @@ def _stage_plan(
     _drop_unused_vars(block)
     verify(section)
     return stage_plan(section, stage)
+
+
+def stage_startup(startup: Program, plan: PipelinePlan, stage: int) -> Program:
+    """The part of `startup` stage `stage` runs: the ops that make what the stage holds
+    (a copy; `startup` is not changed). Each initializer's values depend only on its own
+    seed, so a stage initializes its variables as the whole startup program would."""
+    mine = plan.holds(stage)
+    program = startup.clone()
+    block = program.global_block()
+    block.ops = [op for op in block.ops if set(op.output_arg_names) & mine]
+    return program
+
+
+def check_shared_seeds(startup: Program, plan: PipelinePlan) -> None:
+    """BuilderError when a weight several stages hold has an initializer without a seed:
+    stages that each run their part of `startup` would start from values of their own."""
+    shared = {n for s in plan.stages for n in plan.holds(s.stage) if len(plan.holders(n)) > 1}
+    for op in startup.global_block().ops:
+        unseeded = op.has_attr("seed") and op.attr("seed") == 0
+        if unseeded and (names := sorted(set(op.output_arg_names) & shared)):
+            raise BuilderError(
+                f"{op.type} initializes {', '.join(names)}, which several pipeline stages hold, without a seed: "
+                "each stage would start from values of its own; set startup_program.random_seed (or the "
+                "initializer's seed)"
+            )
 
 
 def stage_plan(section: Program, stage: int) -> StagePlan:

@@ -18,6 +18,7 @@ from fluidps.ir.devices import PipelineConfig
 from fluidps.ir.program import Program
 from fluidps.ir.types import to_numpy_dtype
 
+MERGED_SUFFIX = "@MERGED"
 FORWARD, BACKWARD = "F", "B"
 Action = tuple[str, int]  # (FORWARD or BACKWARD, micro-batch)
 
@@ -69,6 +70,24 @@ class PipelinePlan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def holds(self, stage: int) -> frozenset[str]:
+        """The persistable variables stage `stage` holds: its parameters, a weight it reads
+        that another stage updates, its learning rate, ... (not its gradient sums)."""
+        block = self.stages[stage].program.global_block()
+        return frozenset(n for n, v in block.vars.items() if v.persistable and not n.endswith(MERGED_SUFFIX))
+
+    def holders(self, name: str) -> tuple[int, ...]:
+        """The stages that hold persistable variable `name` (a weight several stages read: each)."""
+        return tuple(s.stage for s in self.stages if name in self.holds(s.stage))
+
+    def owner(self, name: str) -> int | None:
+        """The stage to fetch `name` from: the one whose forward makes it, else the first
+        that holds it (None: no stage has it)."""
+        for stage in self.stages:
+            if name in stage.made:
+                return stage.stage
+        return next(iter(self.holders(name)), None)
 
     def receives(self, stage: int, phase: str) -> tuple[Crossing, ...]:
         return tuple(c for c in self.crossings if c.dst == stage and c.phase == phase)

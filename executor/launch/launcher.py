@@ -11,6 +11,10 @@ stops whatever it started. Its output comes back line by line, prefixed with
   (128 + signal number for a process killed by a signal);
 - the launcher gets SIGINT / SIGTERM / SIGHUP: the processes are stopped, status 128 + signal.
 
+With `stages=P` the job is a pipeline instead: P processes of the script, "stage.0" ..
+"stage.P-1", each told its stage and every stage's endpoint (FLUIDPS_STAGE,
+FLUIDPS_STAGE_ENDPOINTS; no pserver): it ends when every stage exited 0.
+
 With a dataset, the job is fault tolerant instead: see DatasetLauncher
 (fluidps.executor.launch.dataset_launcher).
 
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from fluidps.endpoints import format_endpoint, pick_free_ports
-from fluidps.errors import BuilderError
+from fluidps.errors import BuilderError, UnsupportedError
 from fluidps.executor.env import (
     CONTRACT_VARS,
     INCARNATION_ENV,
@@ -108,6 +112,36 @@ def job_environments(
     return jobs
 
 
+def stage_environments(
+    host: str,
+    ports: Sequence[int],
+    mode: str,
+    base: Mapping[str, str] | None = None,
+    secret: JobSecret | None = None,
+) -> list[tuple[str, dict[str, str]]]:
+    """(name, environment) of every stage process of a launched pipeline (one replica, no
+    pserver): stage k is trainer 0 of 1 with FLUIDPS_STAGE=k, and each listens for its
+    peers' values at its own port of `ports`."""
+    env = dict(os.environ if base is None else base)
+    for var in CONTRACT_VARS:
+        env.pop(var, None)
+    endpoints = ",".join(format_endpoint(host, p) for p in ports)
+    env.update(
+        TRAINING_ROLE="TRAINER",
+        PADDLE_TRAINER_ID="0",
+        PADDLE_TRAINERS_NUM="1",
+        FLUIDPS_STAGE_ENDPOINTS=endpoints,
+        FLUIDPS_MODE=mode,
+        PYTHONUNBUFFERED="1",
+        FLUIDPS_STACKS_ON_SIGUSR1="1",
+        **{SECRET_ENV: (secret or JobSecret.generate()).hex()},
+    )
+    share = max((os.cpu_count() or 1) // len(ports), 1)
+    for name, value in thread_limits(share).items():
+        env.setdefault(name, value)
+    return [(f"stage.{k}", env | {"FLUIDPS_STAGE": str(k)}) for k in range(len(ports))]
+
+
 @dataclass
 class Child:
     name: str
@@ -152,10 +186,18 @@ class Launcher:
         stderr: IO[str] | None = None,
         python: str = sys.executable,
         bind_cores: bool = False,
+        stages: int = 0,
     ):
         if not Path(script).is_file():
             raise BuilderError(f"script {script} not found")
-        if pservers < 1:
+        if stages < 0:
+            raise BuilderError(f"stages must be >= 1 for a pipeline (0: none), got {stages}")
+        if stages and (pservers, trainers) != (0, 1):
+            raise UnsupportedError(
+                f"a launched pipeline runs one replica of its {stages} stages and no pserver for now: give "
+                f"--stages alone, not {pservers} pserver(s) and {trainers} trainer(s)"
+            )
+        if pservers < 1 and not stages:
             raise BuilderError(f"a job needs at least one pserver, got {pservers}")
         if trainers < 1:
             raise BuilderError(f"a job needs at least one trainer, got {trainers}")
@@ -165,6 +207,7 @@ class Launcher:
             raise BuilderError("grace and stop_timeout must be >= 0 seconds")
         self.script, self.args = script, list(args)
         self.pservers, self.trainers, self.mode = pservers, trainers, mode
+        self.stages = stages
         self.host, self.start_port = host, start_port
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.grace, self.stop_timeout = grace, stop_timeout
@@ -324,15 +367,20 @@ class Launcher:
                     self.log_dir.mkdir(parents=True, exist_ok=True)
                 except OSError as e:
                     raise BuilderError(f"cannot create log directory {self.log_dir}: {e}") from None
-            ports = pick_free_ports(self.host, self.pservers + self.extra_ports, self.start_port)
-            self.endpoints = [format_endpoint(self.host, p) for p in ports[: self.pservers]]
+            listening = self.stages or self.pservers  # a pipeline's stages listen, or the pservers
+            ports = pick_free_ports(self.host, listening + self.extra_ports, self.start_port)
+            self.endpoints = [format_endpoint(self.host, p) for p in ports[:listening]]
             self.secret = JobSecret.generate()
-            extra = self._job_environment(ports[self.pservers :])
+            extra = self._job_environment(ports[listening:])
             self._say(self._describe())
             self._start_helpers()
-            for name, env in job_environments(
-                self.host, ports[: self.pservers], self.trainers, self.mode, extra=extra, secret=self.secret
-            ):
+            if self.stages:
+                processes = stage_environments(self.host, ports[:listening], self.mode, secret=self.secret)
+            else:
+                processes = job_environments(
+                    self.host, ports[:listening], self.trainers, self.mode, extra=extra, secret=self.secret
+                )
+            for name, env in processes:
                 if self._signal is not None:
                     break
                 self._start(name, env)
@@ -359,14 +407,18 @@ class Launcher:
         return {}
 
     def _describe(self) -> str:
-        text = (
-            f"{self.pservers} pserver(s) at {','.join(self.endpoints)}, "
-            f"{self.trainers} trainer(s), mode {self.mode}"
-        )
+        if self.stages:
+            text = f"a pipeline of {self.stages} stages at {','.join(self.endpoints)}"
+        else:
+            text = (
+                f"{self.pservers} pserver(s) at {','.join(self.endpoints)}, "
+                f"{self.trainers} trainer(s), mode {self.mode}"
+            )
         if self.cores is not None:
             names = [f"pserver.{k}" for k in range(self.pservers)] + [
-                f"trainer.{i}" for i in range(self.trainers)
+                f"trainer.{i}" for i in range(self.trainers if not self.stages else 0)
             ]
+            names += [f"stage.{k}" for k in range(self.stages)]
             bound = ", ".join(f"{n} on core {core_of(n, self.pservers, self.cores)}" for n in names)
             shared = " (more processes than cores: some share one)" if len(names) > len(self.cores) else ""
             text += f"; bound: {bound}{shared}"
@@ -390,7 +442,7 @@ class Launcher:
                 if c.returncode != 0:
                     self._say(f"{c.name} {describe_exit(c.returncode)}; stopping the job")
                     return exit_status(c.returncode)
-            trainers = [c for c in self.children if c.role == "trainer"]
+            trainers = [c for c in self.children if c.role in ("trainer", "stage")]
             if trainers_done_at is None and all(c.returncode == 0 for c in trainers):
                 trainers_done_at = time.monotonic()
             if trainers_done_at is not None:
@@ -411,7 +463,7 @@ def core_of(name: str, pservers: int, cores: Sequence[int]) -> int | None:
     `cores` in turn (round-robin past the last). Other processes (a coordinator) are not
     bound."""
     role, _, index = name.partition(".")
-    if role not in ("pserver", "trainer") or not index.isdigit():
+    if role not in ("pserver", "trainer", "stage") or not index.isdigit():
         return None
     position = int(index) + (pservers if role == "trainer" else 0)
     return cores[position % len(cores)]

@@ -5,7 +5,7 @@ A stage's executor server takes its peers' STAGE_SEND messages on its serving lo
 micro-batches, and not more than a bounded number waiting); its worker thread, running the stage's programs,
 sends with `send` (without waiting for the answer, which `flush` collects at the end
 of the step) and takes with `recv`, which waits for the value of this step and
-micro-batch. While it
+micro-batch (a peer a step ahead may send the next step's values already). While it
 waits it keeps a HELLO in flight to the peer it waits for: a peer silent past the
 peer timeout (as fluidps.executor.transport.liveness stretches it) is reported by
 name, never waited for forever.
@@ -64,14 +64,16 @@ class RemoteStageChannel:
             raise Error(f"STAGE_SEND from {msg.text[:40]!r}: not another stage of this pipeline")
         if not msg.tensors:
             raise Error("STAGE_SEND without values")
-        if msg.step != self.step or msg.micro_batch >= self.micro_batches:
-            raise Error(
-                f"STAGE_SEND from stage {src} for step {msg.step}, micro-batch {msg.micro_batch}: this stage is "
-                f"at step {self.step} of {self.micro_batches} micro-batches"
-            )
-        if len(self._mail) + len(msg.tensors) > MAX_WAITING:
-            raise Error(f"STAGE_SEND from stage {src}: {len(self._mail)} values wait here already")
         with self._arrived:
+            # A peer may be a step ahead (stages step on their own when launched: its next
+            # step's activations can come while this stage still updates); never further.
+            if msg.step not in (self.step, self.step + 1) or msg.micro_batch >= self.micro_batches:
+                raise Error(
+                    f"STAGE_SEND from stage {src} for step {msg.step}, micro-batch {msg.micro_batch}: this stage "
+                    f"is at step {self.step} of {self.micro_batches} micro-batches"
+                )
+            if len(self._mail) + len(msg.tensors) > MAX_WAITING:
+                raise Error(f"STAGE_SEND from stage {src}: {len(self._mail)} values wait here already")
             for name, value in msg.tensors.items():
                 self._mail[(src, name, msg.step, msg.micro_batch)] = value
             self._arrived.notify_all()
@@ -93,6 +95,11 @@ class RemoteStageChannel:
     def flush(self) -> None:
         """Wait until every value sent was taken by its peer (the end of a step)."""
         self._collect(wait=True)
+
+    def next_step(self) -> None:
+        """This stage's step is done (flushed): take the next step's values."""
+        with self._arrived:
+            self.step += 1
 
     def _collect(self, wait: bool) -> None:
         still = []

@@ -243,7 +243,7 @@ class ExecutorServer:
         runner = self._stage_runner
         made = runner.step(self.exe.scope, msg.tensors, [n for n in msg.names if n in runner.plan.made])
         self._stage_channel.flush()  # every value it sent was taken: the step is done here
-        self._stage_channel.step += 1
+        self._stage_channel.next_step()
         values = {}
         for name in msg.names:  # what it made, or what it holds after the step (its parameters)
             value = made[name] if name in made else self.exe.scope.find(name)

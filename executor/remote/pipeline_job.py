@@ -24,7 +24,7 @@ from fluidps.executor.remote.executor_server import STAGE
 from fluidps.executor.scope import Scope
 from fluidps.executor.transport.wire import Kind, Message
 from fluidps.ir.program import Program
-from fluidps.transpiler.pipeline import MERGED_SUFFIX, PipelineTranspiler
+from fluidps.transpiler.pipeline import PipelineTranspiler, stage_startup
 
 
 class PipelineJob:
@@ -64,9 +64,8 @@ class PipelineJob:
             }
             client.call(Message(Kind.CONFIGURE, text=json.dumps({"pipeline": json.dumps(settings)})))
         for stage, client in zip(self.plan.stages, self.stages, strict=True):
-            block = stage.program.global_block()
-            mine = {n for n, v in block.vars.items() if v.persistable and not n.endswith(MERGED_SUFFIX)}
-            client.call(_load("startup", _startup_of(startup, mine)))
+            mine = self.plan.holds(stage.stage)
+            client.call(_load("startup", stage_startup(startup, self.plan, stage.stage)))
             client.call(Message(Kind.RUN, text="startup"))
             client.call(_load(STAGE, stage.program))
             # The job starts from the client's values (its startup's, or what it loaded).
@@ -76,7 +75,7 @@ class PipelineJob:
 
     def step(self, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> list[Any]:
         check_feed(feed, self.plan.config.num_microbatches)  # (here, before any stage is sent a step)
-        owner = {name: self._owner(name) for name in fetch_names}
+        owner = {name: self._owner(name) for name in fetch_names}  # (each checked here)
         requests = {}
         for k, client in enumerate(self.stages):
             stage = self.plan.stages[k]
@@ -103,20 +102,11 @@ class PipelineJob:
         )
         return [json.loads(replies[k].text) for k in range(len(self.stages))]
 
-    def holders(self, name: str) -> list[int]:
-        """The stages that hold persistable variable `name` (a weight several stages read: each)."""
-        holding = []
-        for stage in self.plan.stages:
-            var = stage.program.global_block().find_var(name)
-            if var is not None and var.persistable:
-                holding.append(stage.stage)
-        return holding
-
     def gather(self, names: Sequence[str]) -> dict[str, Any]:
         """The values of `names` the stages hold, each from the first stage holding it."""
         per_stage: dict[int, list[str]] = {}
         for name in names:
-            if holding := self.holders(name):
+            if holding := self.plan.holders(name):
                 per_stage.setdefault(holding[0], []).append(name)
         pending = {
             k: (self.stages[k], self.stages[k].request(Message(Kind.GET, names=n)))
@@ -129,7 +119,7 @@ class PipelineJob:
         """Write values into every stage that holds them."""
         per_stage: dict[int, dict[str, Any]] = {}
         for name, value in values.items():
-            holding = self.holders(name)
+            holding = self.plan.holders(name)
             if not holding:
                 raise ExecutionError(f"cannot set {name!r}: no stage of the pipeline holds it")
             for k in holding:
@@ -142,25 +132,12 @@ class PipelineJob:
         )
 
     def _owner(self, name: str) -> int:
-        """The stage whose forward makes `name`, else the first that holds it."""
-        for stage in self.plan.stages:
-            if name in stage.made:
-                return stage.stage
-        for stage in self.plan.stages:
-            var = stage.program.global_block().find_var(name)
-            if var is not None and var.persistable:
-                return stage.stage
-        raise ExecutionError(
-            f"cannot fetch {name!r} from a pipeline: no stage's forward makes it and no stage holds it"
-        )
-
-
-def _startup_of(startup: Program, names: set[str]) -> Program:
-    """The ops of `startup` that make `names` (a stage's own persistable variables)."""
-    program = startup.clone()
-    block = program.global_block()
-    block.ops = [op for op in block.ops if set(op.output_arg_names) & names]
-    return program
+        owner = self.plan.owner(name)
+        if owner is None:
+            raise ExecutionError(
+                f"cannot fetch {name!r} from a pipeline: no stage's forward makes it and no stage holds it"
+            )
+        return owner
 
 
 def _load(name: str, program: Program) -> Message:

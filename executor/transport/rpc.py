@@ -493,7 +493,8 @@ class RpcServer:
         self._socket.send_multipart([client, *frames], copy=False)
         return frames
 
-    def close(self) -> None:
-        self._socket.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket; replies still queued get up to `linger_s` seconds to leave."""
+        self._socket.close(linger=int(linger_s * 1000))
         if self._auth is not None:
             self._auth.stop()

@@ -10,6 +10,7 @@ import pytest
 import fluidps
 from fluidps import layers
 from fluidps.executor.compiler import Compiler, ModuleCache
+from helpers import shared_weight_mlp as shared_weights
 from helpers import staged_mlp
 
 STEPS = 20
@@ -43,24 +44,6 @@ def conv_net(optimizer, pipeline: dict | None):
             c = layers.pool2d(c, 2, pool_type="max", pool_stride=2)
         with _guard(pipeline, 1):
             logits = layers.fc(c, 5)
-            loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
-        _minimize(loss, optimizer, pipeline)
-    return main, startup, loss, logits
-
-
-def shared_weights(optimizer, pipeline: dict | None):
-    """One weight matrix read on both stages: updated once, with both gradients."""
-    main, startup = fluidps.Program(), fluidps.Program()
-    startup.random_seed = 3
-    with fluidps.program_guard(main, startup):
-        x = layers.data("x", [16])
-        y = layers.data("y", [1], dtype="int64")
-        shared = fluidps.ParamAttr(name="shared_w")
-        with _guard(pipeline, 0):
-            h = layers.fc(x, 16, act="tanh", param_attr=shared)
-        with _guard(pipeline, 1):
-            h = layers.fc(h, 16, act="tanh", param_attr=shared)
-            logits = layers.fc(h, 5)
             loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
         _minimize(loss, optimizer, pipeline)
     return main, startup, loss, logits

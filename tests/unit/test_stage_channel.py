@@ -1,5 +1,6 @@
 """What a pipeline stage keeps of its peers' STAGE_SEND messages: only another stage's
-values of this step and one of its micro-batches, and a bounded number of them."""
+values of this step (or the next: a launched peer may be a step ahead) and one of its
+micro-batches, and a bounded number of them."""
 
 from __future__ import annotations
 
@@ -37,6 +38,16 @@ def test_a_peers_value_waits_for_the_micro_batch_it_belongs_to(channel):
     np.testing.assert_array_equal(channel.recv(0, "h"), np.ones(3))
 
 
+def test_a_value_of_the_next_step_waits_for_that_step(channel):
+    channel.deliver(sent("0", step=1, h=np.ones(3, np.float32)))
+    channel.deliver(sent("0", step=0, h=np.zeros(3, np.float32)))
+    np.testing.assert_array_equal(channel.recv(0, "h"), np.zeros(3))
+    channel.next_step()
+    np.testing.assert_array_equal(channel.recv(0, "h"), np.ones(3))
+    with pytest.raises(Error, match="for step 0, micro-batch 0: this stage is at step 1"):
+        channel.deliver(sent("0", step=0, h=np.ones(1)))
+
+
 @pytest.mark.parametrize(
     ("msg", "message"),
     [
@@ -44,7 +55,7 @@ def test_a_peers_value_waits_for_the_micro_batch_it_belongs_to(channel):
         (sent("7", h=np.ones(1)), "not another stage"),
         (sent("x", h=np.ones(1)), "not another stage"),
         (sent("0"), "without values"),
-        (sent("0", step=1, h=np.ones(1)), "for step 1, micro-batch 0: this stage is at step 0"),
+        (sent("0", step=2, h=np.ones(1)), "for step 2, micro-batch 0: this stage is at step 0"),
         (sent("0", micro_batch=2, h=np.ones(1)), "micro-batch 2: this stage is at step 0 of 2 micro-batches"),
     ],
 )

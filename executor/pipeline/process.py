@@ -1,0 +1,123 @@
+"""One stage of a pipeline in a process of its own, the Fluid way: `fluidps launch
+--stages P script.py` runs the same script in P processes, and each trains its stage.
+
+`fluidps.transpile_for_role` gives such a process the pipeline program with its stage
+and every stage's endpoint recorded (PipelineConfig.this_stage), and its part of the
+startup program; `Executor.run` of that program comes here. A StageProcess serves its
+endpoint on a thread of its own (HELLO, and its peers' STAGE_SEND values, which its
+RemoteStageChannel keeps), and runs the stage's schedule on each fed mini-batch with
+the Executor's own kernels. No client drives the stages: each steps when its script
+calls run, so a peer may send the next step's values early (the channel keeps them
+for that step) and waits for this stage's, never past the peer timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fluidps.errors import Error, ExecutionError
+from fluidps.executor.pipeline.channel import RemoteStageChannel
+from fluidps.executor.pipeline.stage import RunProgram, StageRunner, check_feed
+from fluidps.executor.transport.rpc import RpcServer
+from fluidps.executor.transport.settings import RpcSettings
+from fluidps.executor.transport.wire import Kind
+from fluidps.ir.devices import PipelineConfig
+from fluidps.transpiler.pipeline_plan import PipelinePlan
+
+POLL_S = 0.1  # how often the serving thread looks whether it should stop
+# What a closing stage gives its last answers to leave: every value a peer sent it in its
+# last step was taken (the step needed it), but the answer saying so may still be queued.
+LINGER_S = 2.0
+
+
+class StageServer:
+    """Answers the other stages at this stage's endpoint, on a thread of its own: a
+    HELLO (a peer waiting for a value asks whether this stage is alive), and the values
+    they send (into `channel`, which checks them). Anything else is refused by name."""
+
+    def __init__(self, context: Any, endpoint: str, channel: RemoteStageChannel, settings: RpcSettings):
+        self.name = f"stage {channel.stage}"
+        self._server = RpcServer(context, endpoint, self.name, settings)
+        self._channel = channel
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, name=f"{self.name} server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while self._running:
+                for request in self._server.receive(POLL_S):
+                    msg = request.msg
+                    try:
+                        if msg.kind == Kind.HELLO:
+                            self._server.reply(request)
+                        elif msg.kind == Kind.STAGE_SEND:
+                            self._channel.deliver(msg)
+                            self._server.reply(request)
+                        else:
+                            raise Error(f"takes HELLO and STAGE_SEND messages, not {msg.kind_name}")
+                    except Error as e:
+                        self._server.error(request, f"{self.name}: {e}")
+        finally:
+            self._server.close(linger_s=LINGER_S)
+
+    def close(self, timeout: float) -> None:
+        self._running = False
+        self._thread.join(timeout)
+
+
+class StageProcess:
+    """Stage `config.this_stage.stage` of `plan`, run with `run` (an Executor's, whose
+    runtime has `channel` attached) and served at its endpoint."""
+
+    def __init__(
+        self,
+        plan: PipelinePlan,
+        config: PipelineConfig,
+        run: RunProgram,
+        channel: RemoteStageChannel,
+        server: StageServer,
+    ):
+        self.plan = plan
+        self.stage = plan.stages[channel.stage]
+        self.runner = StageRunner(self.stage, config, run, channel)
+        self._channel = channel
+        self._server = server
+        self._holds = plan.holds(channel.stage)
+
+    @property
+    def steps(self) -> int:
+        return self._channel.step
+
+    def step(self, scope: Any, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> list[Any]:
+        """One step of this stage on the fed mini-batch (every stage's script feeds the
+        same one; each reads its own columns). Fetches are what this stage makes or holds."""
+        k = self.stage.stage
+        check_feed(feed, self.runner.config.num_microbatches)
+        for name in fetch_names:
+            if name not in self.stage.made and name not in self._holds:
+                owner = self.plan.owner(name)
+                where = "no stage has it" if owner is None else f"fetch it in the process of stage {owner}"
+                raise ExecutionError(
+                    f"stage {k} neither makes nor holds {name!r}: {where} (fluidps.role_from_env().stage)"
+                )
+        missing = [n for n in self.stage.feeds if n not in feed]
+        if missing:
+            raise ExecutionError(f"stage {k} reads {', '.join(missing)}: add it to feed")
+        made = self.runner.step(
+            scope, {n: feed[n] for n in self.stage.feeds}, [n for n in fetch_names if n in self.stage.made]
+        )
+        self._channel.flush()  # every value it sent was taken: the step is done here
+        self._channel.next_step()
+        return [made[n] if n in made else np.array(scope.find(n), copy=True) for n in fetch_names]
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.runner.stats(), "steps": self.steps}
+
+    def close(self, timeout: float) -> None:
+        self._server.close(timeout)
+        self._channel.close()

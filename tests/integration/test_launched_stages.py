@@ -1,0 +1,215 @@
+"""Pipeline stages launched the Fluid way: each stage's own Executor, given its role
+(FLUIDPS_STAGE), trains its stage and talks to the others over ZeroMQ; together they train
+as the pipeline program does in one process. Here the stages are threads of this process
+with an Executor each (tests/distributed/test_pipeline_launch.py runs them as processes)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import fluidps
+from fluidps.endpoints import format_endpoint, pick_free_ports
+from fluidps.errors import BuilderError, ExecutionError, UnsupportedError
+from fluidps.executor.runtime import RuntimeConfig
+from fluidps.executor.transport.proof import JobSecret
+from fluidps.executor.transport.settings import RpcSettings
+from helpers import shared_weight_mlp, staged_mlp
+
+pytestmark = pytest.mark.timeout(300)
+STEPS, BATCH = 12, 8
+SECRET = JobSecret.generate()  # (the job's: every stage proves it, as under fluidps launch)
+
+
+def batches(seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(BATCH, 16)).astype("float32"),
+            "y": rng.integers(0, 5, (BATCH, 1)).astype("int64"),
+        }
+        for _ in range(STEPS)
+    ]
+
+
+def executor(**settings) -> fluidps.Executor:
+    """A stage's Executor: its runtime speaks with the job's secret, as a launched process's does."""
+    rpc = RpcSettings(secret=SECRET, **settings)
+    return fluidps.Executor(runtime_config=RuntimeConfig(rpc=rpc))
+
+
+def adam():
+    return fluidps.optimizer.Adam(0.01)
+
+
+def stage_role(stage: int, endpoints: list[str], trainers: int = 1) -> fluidps.RoleInfo:
+    """The role `fluidps launch --stages` gives stage `stage`'s process."""
+    env = {
+        "TRAINING_ROLE": "TRAINER",
+        "PADDLE_TRAINER_ID": "0",
+        "PADDLE_TRAINERS_NUM": str(trainers),
+        "FLUIDPS_STAGE": str(stage),
+        "FLUIDPS_STAGE_ENDPOINTS": ",".join(endpoints),
+    }
+    return fluidps.role_from_env(env)
+
+
+def endpoints(count: int) -> list[str]:
+    return [format_endpoint("127.0.0.1", p) for p in pick_free_ports("127.0.0.1", count)]
+
+
+def run_stages(build, feeds, fetch, stages: int = 2):
+    """Each stage in a thread of its own with its own Executor: per stage, (its losses per
+    step (the stage that makes `fetch`), its parameters after the last step)."""
+    ends = endpoints(stages)
+    results: dict[int, tuple[list, dict]] = {}
+    errors: list[BaseException] = []
+
+    def stage(k: int) -> None:
+        main, startup, loss, _ = build()
+        mine = fluidps.transpile_for_role(stage_role(k, ends), main, startup)
+        exe = executor(peer_timeout=30.0)
+        try:
+            exe.run(mine.startup)
+            owner = mine.plan.owner(fetch(loss))
+            got = [exe.run(mine.main, feed=f, fetch_list=[fetch(loss)] if owner == k else []) for f in feeds]
+            params = {n: exe.scope[n].copy() for n in mine.plan.stages[k].params}
+            results[k] = (got, params, exe.pipeline_stats(mine.main))
+        except BaseException as e:  # (reported by the test, not lost in the thread)
+            errors.append(e)
+        finally:
+            exe.close()
+
+    threads = [threading.Thread(target=stage, args=(k,)) for k in range(stages)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a stage did not finish"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def run_local(build, feeds, fetch):
+    main, startup, loss, _ = build()
+    exe = fluidps.Executor()
+    exe.run(startup)
+    got = [exe.run(main, feed=f, fetch_list=[fetch(loss)]) for f in feeds]
+    return got, exe
+
+
+@pytest.mark.parametrize("schedule_mode", ["1F1B", "F-then-B"])
+def test_stages_with_executors_of_their_own_train_as_the_pipeline_in_one_process(schedule_mode):
+    def build():
+        return staged_mlp({"num_microbatches": 4, "schedule_mode": schedule_mode}, optimizer=adam())
+
+    feeds = batches()
+    stages = run_stages(build, feeds, lambda loss: loss.name)
+    local, exe = run_local(build, feeds, lambda loss: loss.name)
+    losses = stages[1][0]
+    assert [float(v) for (v,) in losses] == pytest.approx([float(v) for (v,) in local], rel=1e-6)
+    assert stages[0][0] == [[] for _ in feeds]  # (stage 0 was asked for nothing)
+    for k in (0, 1):
+        assert stages[k][1], f"stage {k} trained no parameters"
+        for name, value in stages[k][1].items():
+            np.testing.assert_allclose(value, exe.scope[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    assert [s["stage"] for s in (stages[0][2][0], stages[1][2][0])] == [0, 1]
+    assert stages[0][2][0]["steps"] == len(feeds)
+
+
+def test_a_weight_two_launched_stages_read_is_updated_once_with_both_gradients():
+    def build():
+        return shared_weight_mlp(adam(), {"num_microbatches": 2})
+
+    feeds = batches()
+    stages = run_stages(build, feeds, lambda loss: loss.name)
+    local, exe = run_local(build, feeds, lambda loss: loss.name)
+    assert [float(v) for (v,) in stages[1][0]] == pytest.approx([float(v) for (v,) in local], rel=1e-6)
+    updater = 0 if "shared_w" in stages[0][1] else 1
+    np.testing.assert_allclose(stages[updater][1]["shared_w"], exe.scope["shared_w"], rtol=1e-6, atol=1e-7)
+
+
+def test_a_stage_asked_for_a_value_another_stage_makes_says_which_stage_has_it():
+    ends = endpoints(2)
+    main, startup, loss, _ = staged_mlp({"num_microbatches": 2})
+    mine = fluidps.transpile_for_role(stage_role(0, ends), main, startup)
+    exe = executor(peer_timeout=5.0)
+    try:
+        exe.run(mine.startup)
+        with pytest.raises(ExecutionError, match=rf"stage 0 neither makes nor holds '{loss.name}'.*stage 1"):
+            exe.run(mine.main, feed=batches()[0], fetch_list=[loss])
+        with pytest.raises(ExecutionError, match="stage 0 reads x: add it to feed"):
+            exe.run(mine.main, feed={"y": batches()[0]["y"]})
+    finally:
+        exe.close()
+
+
+def test_a_stage_whose_peer_never_comes_says_so_within_the_peer_timeout():
+    ends = endpoints(2)  # (nothing runs stage 0)
+    main, startup, _, _ = staged_mlp({"num_microbatches": 2})
+    mine = fluidps.transpile_for_role(stage_role(1, ends), main, startup)
+    exe = executor(peer_timeout=1.0, heartbeat_interval=0.1)
+    try:
+        exe.run(mine.startup)
+        with pytest.raises(fluidps.Error, match=r"stage 1 waited for .* from stage 0"):
+            exe.run(mine.main, feed=batches()[0])
+    finally:
+        exe.close()
+
+
+def test_what_a_stage_process_is_given_its_stage_and_its_part_of_startup():
+    ends = endpoints(2)
+    main, startup, _, _ = staged_mlp({"num_microbatches": 2})
+    before = main.serialize_to_string(), startup.serialize_to_string()
+    mine = [fluidps.transpile_for_role(stage_role(k, ends), main, startup) for k in (0, 1)]
+    assert (main.serialize_to_string(), startup.serialize_to_string()) == before  # inputs unchanged
+    for k, programs in enumerate(mine):
+        assert programs.main.pipeline.this_stage == fluidps.ir.devices.StageEndpoints(k, tuple(ends))
+        made = {n for op in programs.startup.global_block().ops for n in op.output_arg_names}
+        assert made == set(programs.plan.holds(k)), f"stage {k}'s startup makes what it holds, only"
+    assert not set(mine[0].plan.stages[0].params) & {n for op in mine[1].startup.global_block().ops
+                                                       for n in op.output_arg_names}  # fmt: skip
+
+
+def test_bad_stage_roles_are_refused_with_what_to_do():
+    main, startup, _, _ = staged_mlp({"num_microbatches": 2})
+    with pytest.raises(BuilderError, match=r"has 2 pipeline stages but 3 stage processes .* --stages 2"):
+        fluidps.transpile_for_role(stage_role(0, endpoints(3)), main, startup)
+    plain, plain_startup, _, _ = staged_mlp(None)
+    with pytest.raises(BuilderError, match=r"no pipeline: minimize its loss with .*PipelineOptimizer"):
+        fluidps.transpile_for_role(stage_role(0, endpoints(2)), plain, plain_startup)
+    with pytest.raises(UnsupportedError, match="one replica for now, not 2"):
+        fluidps.transpile_for_role(stage_role(0, endpoints(2), trainers=2), main, startup)
+    shared, shared_startup, _, _ = shared_weight_mlp(adam(), {"num_microbatches": 2})
+    shared_startup.random_seed = 0
+    for op in shared_startup.global_block().ops:
+        if op.has_attr("seed"):
+            op.set_attr("seed", 0)
+    with pytest.raises(
+        BuilderError, match="initializes shared_w, which several pipeline stages hold, without a"
+    ):
+        fluidps.transpile_for_role(stage_role(0, endpoints(2)), shared, shared_startup)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"FLUIDPS_STAGE": "2"}, "FLUIDPS_STAGE='2' is invalid: it should hold this process's pipeline stage, an "
+         "integer from 0 to 1"),
+        ({"FLUIDPS_STAGE_ENDPOINTS": ""}, "FLUIDPS_STAGE_ENDPOINTS is empty"),
+        ({"TRAINING_ROLE": "PSERVER"}, "FLUIDPS_STAGE is set for a PSERVER"),
+    ],
+)  # fmt: skip
+def test_a_bad_stage_environment_is_refused_naming_the_variable(env, message):
+    base = {
+        "TRAINING_ROLE": "TRAINER",
+        "PADDLE_TRAINER_ID": "0",
+        "PADDLE_TRAINERS_NUM": "1",
+        "FLUIDPS_STAGE": "0",
+        "FLUIDPS_STAGE_ENDPOINTS": "127.0.0.1:7001,127.0.0.1:7002",
+    }
+    with pytest.raises(BuilderError, match=message):
+        fluidps.role_from_env(base | env)
