@@ -10,10 +10,14 @@ from pathlib import Path
 import click
 
 from fluidps.cli.common import CHECK_FAILED, fail, load_program
+from fluidps.errors import Error
 from fluidps.executor.compiler import explain
 from fluidps.ir.graph import to_dot
 from fluidps.ir.printer import program_to_dict, program_to_text
 from fluidps.ops import check
+from fluidps.transpiler.config import SPLIT_METHODS, DistributeTranspilerConfig
+from fluidps.transpiler.distribute import DistributeTranspiler
+from fluidps.transpiler.plan import pserver_groups
 
 GRAPHVIZ_HINT = (
     "install Graphviz to render it (Debian/Ubuntu: apt install graphviz; macOS: brew install graphviz; "
@@ -72,23 +76,57 @@ def inspect(file: str, run_check: bool, as_json: bool, block_idx: int | None, sh
     "-o", "--output", required=True, help="Where to write: OUT.dot, or OUT.svg / OUT.png to render."
 )
 @click.option("--block", "block_idx", type=int, default=None, help="Draw only this block.")
-def dot(file: str, output: str, block_idx: int | None) -> None:
+@click.option(
+    "--pservers",
+    help="Comma-separated pserver endpoints: fill each op with the colour of the pserver that would run it.",
+)
+@click.option("--startup", "startup_file", metavar="STARTUP.pb", help="--pservers: the startup program.")
+@click.option(
+    "--split-method",
+    type=click.Choice(SPLIT_METHODS),
+    default="RoundRobin",
+    show_default=True,
+    help="--pservers: how parameters go to pservers.",
+)
+def dot(
+    file: str,
+    output: str,
+    block_idx: int | None,
+    pservers: str | None,
+    startup_file: str | None,
+    split_method: str,
+) -> None:
     """Draw a ProgramDesc FILE as a Graphviz graph.
 
     Ops are boxes, variables ellipses (parameters filled, other persistable
-    variables doubled), sub-blocks clusters. With OUT.dot, the DOT text is
-    written and, when Graphviz's `dot` is installed, OUT.svg next to it.
+    variables doubled), sub-blocks clusters. In a pipeline program each op is
+    filled with its stage's colour; with --pservers (and --startup), with the
+    colour of the pserver that would run it, as `fluidps transpile` places it.
+    A legend names the colours. With OUT.dot, the DOT text is written and, when
+    Graphviz's `dot` is installed, OUT.svg next to it.
     """
     program = load_program(file)
     if block_idx is not None and not 0 <= block_idx < program.num_blocks:
         fail(f"--block {block_idx}: the program has blocks 0..{program.num_blocks - 1}")
+    groups = None
+    if pservers is not None:
+        if startup_file is None:
+            fail("--pservers needs --startup STARTUP.pb: the transpiler places parameters from both programs")
+        try:
+            config = DistributeTranspilerConfig(split_method=split_method)
+            plan = DistributeTranspiler(config).transpile(
+                0, program, pservers, startup_program=load_program(startup_file)
+            )
+            groups = pserver_groups(program, plan)
+        except Error as e:
+            fail(str(e))
     out = Path(output)
     fmt = out.suffix.lower().lstrip(".")
     if fmt not in ("dot", "gv", "svg", "png"):
         fail(f"{output}: use a .dot, .svg or .png file name")
     dot_path = out if fmt in ("dot", "gv") else out.with_suffix(".dot")
     try:
-        dot_path.write_text(to_dot(program, block_idx))
+        dot_path.write_text(to_dot(program, block_idx, groups))
     except OSError as e:
         fail(f"cannot write {dot_path}: {e.strerror or e}")
     click.echo(f"wrote {dot_path}")

@@ -4,10 +4,14 @@ Op nodes and variable nodes alternate: an edge var -> op is a read (labelled
 with the slot), op -> var a write. Sub-blocks are DOT clusters, joined to the
 op that owns them by a dashed edge; a variable only one sub-block's ops use is drawn
 in that block's cluster. In a pipeline program (ops with an op_device), each op is
-filled with its stage's colour, and a legend names the colours.
+filled with its stage's colour, and a legend names the colours; given a
+parameter-server plan's groups, each op is filled with its pserver's instead.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import networkx as nx
 
@@ -92,10 +96,36 @@ def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def to_dot(program: Program, block_idx: int | None = None) -> str:
+@dataclass(frozen=True)
+class OpGroups:
+    """Where block 0's ops run, for colouring: op index -> group, each group's name in
+    the legend (`names[g]`), and the name of the ops in no group (`rest`). A pipeline's
+    groups are its stages (`stage_groups`); a parameter-server job's, its pservers
+    (fluidps.transpiler.plan.pserver_groups)."""
+
+    of_op: Mapping[int, int]
+    names: Sequence[str]
+    rest: str
+    title: str
+
+
+def stage_groups(program: Program) -> OpGroups | None:
+    """Block 0's ops by pipeline stage (op_device), or None when no op has a stage."""
+    of_op = {i: s for i, op in enumerate(program.global_block().ops) if (s := _stage(op)) is not None}
+    if not of_op:
+        return None
+    return OpGroups(of_op, [f"stage {s}" for s in range(max(of_op.values()) + 1)], "no stage", "stages")
+
+
+def to_dot(program: Program, block_idx: int | None = None, groups: OpGroups | None = None) -> str:
     """Graphviz DOT text: ops as boxes, variables as ellipses, parameters filled,
-    other persistable variables doubled, each block a cluster."""
+    other persistable variables doubled, each block a cluster. Ops are filled with
+    their group's colour (`groups`; by default their pipeline stage's), with a legend."""
+    groups = groups if groups is not None else stage_groups(program)
     graph = to_networkx(program, block_idx)
+    for _, data in graph.nodes(data=True):
+        if data["kind"] == "op":
+            data["group"] = groups.of_op.get(data["index"]) if groups and data["block"] == 0 else None
     by_block: dict[int, list[str]] = {}
     for node, data in graph.nodes(data=True):
         by_block.setdefault(_drawn_in(graph, node, data), []).append(node)
@@ -115,15 +145,17 @@ def to_dot(program: Program, block_idx: int | None = None) -> str:
         for node in by_block[idx]:
             lines.append(f"    {_quote(node)} [{_node_style(graph.nodes[node])}];")
         lines.append("  }")
-    stages = sorted({d["stage"] for _, d in graph.nodes(data=True) if d.get("stage") is not None})
-    if stages:  # which colour is which stage, in order
-        lines.append('  subgraph cluster_legend {\n    label="stages"; style="rounded"; color="#999999";')
-        keys = [(f"legend:{s}", _colour(s), f"stage {s}") for s in stages]
-        if any(d["kind"] == "op" and d.get("stage") is None for _, d in graph.nodes(data=True)):
-            keys.append(("legend:none", _OP_FILL, "no stage"))
+    used = sorted({d["group"] for _, d in graph.nodes(data=True) if d.get("group") is not None})
+    if used:  # which colour is which group, in order
+        lines.append(
+            f'  subgraph cluster_legend {{\n    label={_quote(groups.title)}; style="rounded"; color="#999999";'
+        )
+        keys = [(f"legend:{g}", _colour(g), groups.names[g]) for g in used]
+        if any(d["kind"] == "op" and d.get("group") is None for _, d in graph.nodes(data=True)):
+            keys.append(("legend:none", _OP_FILL, groups.rest))
         for node, fill, label in keys:
             lines.append(
-                f'    "{node}" [shape=box, style="rounded,filled", fillcolor="{fill}", label="{label}"];'
+                f'    "{node}" [shape=box, style="rounded,filled", fillcolor="{fill}", label={_quote(label)}];'
             )
         lines.append("    " + " -> ".join(f'"{node}"' for node, _, _ in keys) + " [style=invis];")
         lines.append("  }")
@@ -154,7 +186,7 @@ def _drawn_in(graph: nx.MultiDiGraph, node: str, data: dict) -> int:
 
 def _node_style(data: dict) -> str:
     if data["kind"] == "op":
-        fill = _OP_FILL if data.get("stage") is None else _colour(data["stage"])
+        fill = _OP_FILL if data.get("group") is None else _colour(data["group"])
         return f'shape=box, style="rounded,filled", fillcolor="{fill}", label={_quote(data["type"])}'
     shape = "" if data["shape"] is None else str(data["shape"])
     label = _quote(f"{data['name']}\n{shape} {data['dtype'] or ''}".rstrip())
@@ -167,5 +199,5 @@ def _node_style(data: dict) -> str:
     return f"shape=ellipse, label={label}"
 
 
-def _colour(stage: int) -> str:
-    return STAGE_COLOURS[stage % len(STAGE_COLOURS)]
+def _colour(group: int) -> str:
+    return STAGE_COLOURS[group % len(STAGE_COLOURS)]

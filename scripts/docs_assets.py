@@ -5,7 +5,8 @@
 
 - docs/assets/quickstart-*.dot / .svg: `fluidps dot` of the quick start's program
   (examples/quickstart.py) and of its trainer and pserver 0 programs (`fluidps
-  transpile`, 2 pservers, 2 trainers); pipeline-main.dot / .svg: of the digits
+  transpile`, 2 pservers, 2 trainers), and quickstart-placed, its program with each op in
+  the colour of the pserver that runs it; pipeline-main.dot / .svg: of the digits
   pipeline's program (examples/digits_pipeline.py), each op in its stage's colour;
 - docs/assets/architecture.svg and step.svg from their DOT sources, which are kept by hand;
 - docs/reference/cli.md: every command's `--help`;
@@ -87,6 +88,11 @@ def program_drawings(work: Path) -> dict[str, str]:
         "--pservers", "127.0.0.1:6174,127.0.0.1:6175", "--trainers", "2", "-o", "job",
         cwd=work,
     )  # fmt: skip
+    _fluidps(
+        "dot", "quickstart/main.pb", "--startup", "quickstart/startup.pb",
+        "--pservers", "127.0.0.1:6174,127.0.0.1:6175", "-o", "placed.dot",
+        cwd=work,
+    )  # fmt: skip
     subprocess.run(
         [sys.executable, str(ROOT / "examples" / "digits_pipeline.py"), "--epochs", "0", "--out", "pipeline"],
         cwd=work,
@@ -97,6 +103,7 @@ def program_drawings(work: Path) -> dict[str, str]:
     return {
         "pipeline-main": (work / "pipeline.dot").read_text(),
         "quickstart-main": (work / "main.dot").read_text(),
+        "quickstart-placed": (work / "placed.dot").read_text(),
         "quickstart-trainer": (work / "job" / "trainer.dot").read_text(),
         "quickstart-pserver0": (work / "job" / "pserver_0.dot").read_text(),
     }

@@ -287,3 +287,40 @@ def test_help_and_version():
     result = run("--help")
     assert result.returncode == 0 and "inspect" in result.stdout and "dot" in result.stdout
     assert run("--version").stdout.startswith("fluidps, version")
+
+
+def test_dot_with_pservers_fills_each_op_with_the_colour_of_the_pserver_that_runs_it(tmp_path):
+    from fluidps.ir.graph import STAGE_COLOURS
+
+    main, startup, loss = build_mlp(hidden=1024)  # fc_1.w_0 (1024 x 1024) is cut into slices
+    with fluidps.program_guard(main, startup):
+        lr = fluidps.layers.exponential_decay(0.1, decay_steps=10, decay_rate=0.9)
+        optimizer.SGD(lr).minimize(loss)
+    (tmp_path / "main.pb").write_bytes(main.serialize_to_string())
+    (tmp_path / "startup.pb").write_bytes(startup.serialize_to_string())
+    eps = "127.0.0.1:6170,127.0.0.1:6171"
+    env = {**os.environ, "PATH": str(tmp_path / "empty-bin")}
+    out = tmp_path / "placed.dot"
+    args = ("dot", str(tmp_path / "main.pb"), "-o", str(out), "--pservers", eps)
+    result = run(*args, "--startup", str(tmp_path / "startup.pb"), env=env)
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+
+    plan = fluidps.DistributeTranspiler().transpile(0, main, eps, startup_program=startup)
+    ops = main.global_block().ops
+    for i, op in enumerate(ops):
+        fill = next(line for line in text.splitlines() if line.strip().startswith(f'"op:0:{i}" ['))
+        if op.type == "sgd":
+            held = {s.endpoint for s in plan.slices_of(op.input("Param")[0])}
+            group = plan.endpoints.index(held.pop()) if len(held) == 1 else 2
+            assert f'fillcolor="{STAGE_COLOURS[group]}"' in fill, (op.input("Param"), fill)
+        elif op.type == "mul":
+            assert 'fillcolor="#fff2cc"' in fill  # the trainers' ops keep the plain fill
+    assert any(len({s.endpoint for s in plan.slices_of(p)}) == 2 for p in ("fc_1.w_0",))
+    for label in ("pserver 0 (127.0.0.1:6170)", "pserver 1 (127.0.0.1:6171)", "several pservers",
+                  "every pserver", "trainers"):  # fmt: skip
+        assert f'label="{label}"' in text, label
+    assert 'label="pservers"' in text
+
+    refused = run(*args, env=env)
+    assert refused.returncode == 2 and "--pservers needs --startup STARTUP.pb" in refused.stderr
