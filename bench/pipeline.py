@@ -17,7 +17,8 @@ Rows (JSON, one per line):
   sums), and reachable = ideal / micro_batching_cost; gemm_limit, the ideal scaled by what
   the model's matrix products alone lose when cut into micro-batches (the executor's own
   GEMM, timed in the same run at the full batch and at batch/m rows): what the stages
-  could reach if a micro-batch cost nothing but its products.
+  could reach if a micro-batch cost nothing but its products; stages_memory, each stage's
+  parameter bytes and the most micro-batches' activations it held at once.
 The model is balanced: half the hidden layers on each stage, the classifier on the last.
 """
 
@@ -150,8 +151,9 @@ def local_pipeline_rate(args, m: int, schedule_mode: str) -> float:
     )
 
 
-def pipeline_rate(args, m: int, schedule_mode: str) -> tuple[float, float]:
-    """(steps/s, final loss) of the pipeline job."""
+def pipeline_rate(args, m: int, schedule_mode: str) -> tuple[float, float, list[dict]]:
+    """(steps/s, final loss, each stage's memory: its parameters' bytes and the most
+    micro-batches' activations it held at once) of the pipeline job."""
     main, startup, loss = build(
         args.layers, args.width, {"num_microbatches": m, "schedule_mode": schedule_mode}
     )
@@ -164,7 +166,11 @@ def pipeline_rate(args, m: int, schedule_mode: str) -> tuple[float, float]:
             last[:] = exe.run(main, feed=feed, fetch_list=[loss])
 
         steps_per_s = rate(step, feeds, args.steps, args.repeats, args.warmup)
-    return steps_per_s, float(last[0])
+        memory = [
+            {k: s["pipeline"][k] for k in ("stage", "param_bytes", "peak_live_microbatches")}
+            for s in exe.stage_stats()
+        ]
+    return steps_per_s, float(last[0]), memory
 
 
 def default_threads_rate(args) -> float:
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for schedule_mode in args.schedules.split(","):
         for m in (int(v) for v in args.microbatches.split(",")):
-            steps_per_s, loss = pipeline_rate(args, m, schedule_mode)
+            steps_per_s, loss, memory = pipeline_rate(args, m, schedule_mode)
             one_process = local_pipeline_rate(args, m, schedule_mode)
             ideal = STAGES * m / (m + STAGES - 1)
             rows.append(
@@ -220,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
                     "loss": round(loss, 4), "threads_per_stage": 1, **common,
                     "one_process_samples_per_s": round(one_process * args.batch, 1),
                     "gemm_cost": round(gemm_cost(args, m), 3),
+                    "stages_memory": memory,
                 }
             )  # fmt: skip
     after = local_rate(args)

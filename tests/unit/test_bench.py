@@ -323,4 +323,9 @@ def test_the_pipeline_bench_compares_each_schedule_with_local_training():
         assert r["reachable"] == pytest.approx(r["ideal"] / r["micro_batching_cost"], rel=1e-2, abs=1e-3)
         assert r["gemm_cost"] > 0
         assert r["gemm_limit"] == pytest.approx(r["ideal"] / r["gemm_cost"], rel=1e-2, abs=1e-3)
+        stages = r["stages_memory"]
+        assert [s["stage"] for s in stages] == [0, 1] and all(s["param_bytes"] > 0 for s in stages)
+        # 1F1B holds at most p - stage micro-batches' activations; F-then-B, m (here 2)
+        bound = [2, 1] if r["schedule"] == "1F1B" else [2, 2]
+        assert [s["peak_live_microbatches"] for s in stages] == bound
     assert pipeline[0]["loss"] == pipeline[1]["loss"]  # both schedules train the same
