@@ -412,24 +412,24 @@ class Executor:
 
     def _stage_process(self, program: Program) -> StageProcess:
         """This process's stage of a launched pipeline (one per Executor: it serves the
-        stage's endpoint), made at the first run of its program."""
+        stage's endpoint), made at the first run of its section program (transpile_for_role's)."""
         from fluidps.endpoints import zmq_address
         from fluidps.executor.pipeline.channel import RemoteStageChannel
         from fluidps.executor.pipeline.process import StageProcess, StageServer
-        from fluidps.transpiler.pipeline import PipelineTranspiler
+        from fluidps.transpiler.pipeline import stage_plan
 
         if self._stage is not None:
             ref, revision, process = self._stage
             if ref() is program and revision == program.revision:
                 return process
             raise ExecutionError(
-                f"this Executor runs stage {process.stage.stage} of a launched pipeline already, from another "
+                f"this Executor runs stage {process.plan.stage} of a launched pipeline already, from another "
                 "program (or one changed since its first step): run one stage program per process"
             )
         verify_program(program)
         config = program.pipeline
-        plan = PipelineTranspiler().transpile(program)
         this = config.this_stage
+        plan = stage_plan(program, this.stage)  # (the program is the stage's section)
         endpoints = [zmq_address(e) for e in this.endpoints]
         runtime = self.runtime
         context = runtime.context_for(endpoints[this.stage])

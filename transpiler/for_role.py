@@ -74,10 +74,11 @@ def transpile_for_role(
     `role` belongs to, and return the programs this process runs: pserver
     `role.current_endpoint`'s, or trainer `role.trainer_id`'s.
 
-    A pipeline stage's process (`role.stage`, from `fluidps launch --stages`) gets the
-    pipeline program (PipelineOptimizer's) bound to its stage, which Executor.run runs
-    as that stage alone, talking to the other stages' processes; and its part of the
-    startup program (what the stage holds).
+    A pipeline stage's process (`role.stage`, from `fluidps launch --stages`) gets its
+    stage's section program (PipelineTranspiler's) bound to its stage and the other
+    stages' endpoints, which Executor.run trains as that stage, talking to the other
+    stages' processes; its part of the startup program (what the stage holds); and the
+    whole pipeline's plan.
 
     `config` says how to transpile (default: DistributeTranspilerConfig(mode=role.mode));
     its mode must be the role's, which the launcher gives every process of the job.
@@ -138,6 +139,6 @@ def _stage_programs(role: ProcessRole, program: Program, startup_program: Progra
             f"started (FLUIDPS_STAGE_ENDPOINTS): launch it with --stages {plan.num_stages}"
         )
     check_shared_seeds(startup_program, plan)
-    main = program.clone()
-    main.pipeline = replace(plan.config, this_stage=this)
-    return RolePrograms(main, stage_startup(startup_program, plan, role.stage), plan)
+    section = plan.stages[role.stage].program.clone()  # its own ops, sends and receives
+    section.pipeline = replace(plan.config, this_stage=this)
+    return RolePrograms(section, stage_startup(startup_program, plan, role.stage), plan)

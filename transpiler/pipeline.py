@@ -264,6 +264,7 @@ def _merged_updates(
 
 def _phase_program(section: Program, kind: str) -> Program:
     program = section.clone()
+    program.pipeline = None  # (a phase runs as it is, even of a launched stage's section)
     block = program.global_block()
     block.ops = [op for op in block.ops if phase(op) == kind]
     _drop_unused_vars(block)

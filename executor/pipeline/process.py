@@ -1,9 +1,9 @@
 """One stage of a pipeline in a process of its own, the Fluid way: `fluidps launch
 --stages P script.py` runs the same script in P processes, and each trains its stage.
 
-`fluidps.transpile_for_role` gives such a process the pipeline program with its stage
-and every stage's endpoint recorded (PipelineConfig.this_stage), and its part of the
-startup program; `Executor.run` of that program comes here. A StageProcess serves its
+`fluidps.transpile_for_role` gives such a process its stage's section program with its
+stage and every stage's endpoint recorded (PipelineConfig.this_stage), and its part of
+the startup program; `Executor.run` of that program comes here. A StageProcess serves its
 endpoint on a thread of its own (HELLO, and its peers' STAGE_SEND values, which its
 RemoteStageChannel keeps), and runs the stage's schedule on each fed mini-batch with
 the Executor's own kernels. No client drives the stages: each steps when its script
@@ -26,7 +26,7 @@ from fluidps.executor.transport.rpc import RpcServer
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind
 from fluidps.ir.devices import PipelineConfig
-from fluidps.transpiler.pipeline_plan import PipelinePlan
+from fluidps.transpiler.pipeline_plan import MERGED_SUFFIX, StagePlan
 
 POLL_S = 0.1  # how often the serving thread looks whether it should stop
 # What a closing stage gives its last answers to leave: every value a peer sent it in its
@@ -71,23 +71,23 @@ class StageServer:
 
 
 class StageProcess:
-    """Stage `config.this_stage.stage` of `plan`, run with `run` (an Executor's, whose
-    runtime has `channel` attached) and served at its endpoint."""
+    """Stage `plan.stage` of a pipeline, run with `run` (an Executor's, whose runtime has
+    `channel` attached) and served by `server` at its endpoint."""
 
     def __init__(
         self,
-        plan: PipelinePlan,
+        plan: StagePlan,
         config: PipelineConfig,
         run: RunProgram,
         channel: RemoteStageChannel,
         server: StageServer,
     ):
         self.plan = plan
-        self.stage = plan.stages[channel.stage]
-        self.runner = StageRunner(self.stage, config, run, channel)
+        self.runner = StageRunner(plan, config, run, channel)
         self._channel = channel
         self._server = server
-        self._holds = plan.holds(channel.stage)
+        block = plan.program.global_block()
+        self._holds = {n for n, v in block.vars.items() if v.persistable and not n.endswith(MERGED_SUFFIX)}
 
     @property
     def steps(self) -> int:
@@ -96,20 +96,19 @@ class StageProcess:
     def step(self, scope: Any, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> list[Any]:
         """One step of this stage on the fed mini-batch (every stage's script feeds the
         same one; each reads its own columns). Fetches are what this stage makes or holds."""
-        k = self.stage.stage
+        k, plan = self.plan.stage, self.plan
         check_feed(feed, self.runner.config.num_microbatches)
         for name in fetch_names:
-            if name not in self.stage.made and name not in self._holds:
-                owner = self.plan.owner(name)
-                where = "no stage has it" if owner is None else f"fetch it in the process of stage {owner}"
+            if name not in plan.made and name not in self._holds:
                 raise ExecutionError(
-                    f"stage {k} neither makes nor holds {name!r}: {where} (fluidps.role_from_env().stage)"
+                    f"stage {k} neither makes nor holds {name!r}: fetch it in the process of the stage that does "
+                    "(transpile_for_role(...).plan.owner(name) says which)"
                 )
-        missing = [n for n in self.stage.feeds if n not in feed]
+        missing = [n for n in plan.feeds if n not in feed]
         if missing:
             raise ExecutionError(f"stage {k} reads {', '.join(missing)}: add it to feed")
         made = self.runner.step(
-            scope, {n: feed[n] for n in self.stage.feeds}, [n for n in fetch_names if n in self.stage.made]
+            scope, {n: feed[n] for n in plan.feeds}, [n for n in fetch_names if n in plan.made]
         )
         self._channel.flush()  # every value it sent was taken: the step is done here
         self._channel.next_step()
