@@ -32,7 +32,8 @@ class _OneLineErrors(click.Command):
 @click.option(
     "--stages",
     type=click.IntRange(min=1),
-    help="Run a pipeline (a PipelineOptimizer program) instead: one process per stage, no pserver.",
+    help="Run a pipeline (a PipelineOptimizer program) instead: one process per stage; with --trainers N and "
+    "--pservers S, N replicas of it, each stage's parameters on S pservers.",
 )
 @click.option("--mode", type=click.Choice(MODES), default="sync", show_default=True, help="FLUIDPS_MODE.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the pservers listen on.")
@@ -122,14 +123,16 @@ def launch(
     With --stages P, process k ("[stage.k] ") is pipeline stage k (FLUIDPS_STAGE,
     FLUIDPS_STAGE_ENDPOINTS): fluidps.transpile_for_role gives it its stage's programs,
     and it exchanges activations and gradients with the other stages directly. The job
-    ends when every stage exited 0.
+    ends when every stage exited 0. With --trainers N --pservers S too, N replicas of the
+    stages ("[stage.k.r] ") train side by side, each stage's parameters on S pservers of
+    its own ("[pserver.k.j] "), synchronized as a sync job.
     """
     if stages is not None:
-        if pservers is not None or trainers is not None or dataset is not None:
-            fail(
-                "--stages runs one replica of a pipeline without pservers: give no --pservers, --trainers or --dataset"
-            )
-        pservers, trainers = 0, 1
+        if dataset is not None:
+            fail("--stages runs a pipeline on fed batches: give no --dataset")
+        if (pservers is None) != (trainers is None):
+            fail("with --stages, give both --trainers (replicas) and --pservers (per stage), or neither")
+        pservers, trainers = pservers or 0, trainers or 1
     elif pservers is None or trainers is None:
         fail("give --pservers and --trainers (a parameter-server job), or --stages (a pipeline)")
     try:

@@ -12,12 +12,14 @@ import click
 from fluidps.cli.common import CHECK_FAILED, fail, load_program
 from fluidps.errors import Error
 from fluidps.executor.compiler import explain
-from fluidps.ir.graph import to_dot
+from fluidps.ir.graph import OpGroups, to_dot
 from fluidps.ir.printer import program_to_dict, program_to_text
+from fluidps.ir.program import Program
 from fluidps.ops import check
+from fluidps.transpiler.analysis import analyze
 from fluidps.transpiler.config import SPLIT_METHODS, DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
-from fluidps.transpiler.plan import pserver_groups
+from fluidps.transpiler.plan import DistributedPlan
 
 GRAPHVIZ_HINT = (
     "install Graphviz to render it (Debian/Ubuntu: apt install graphviz; macOS: brew install graphviz; "
@@ -108,7 +110,13 @@ def dot(
     program = load_program(file)
     if block_idx is not None and not 0 <= block_idx < program.num_blocks:
         fail(f"--block {block_idx}: the program has blocks 0..{program.num_blocks - 1}")
+    out = Path(output)
+    fmt = out.suffix.lower().lstrip(".")
+    if fmt not in ("dot", "gv", "svg", "png"):
+        fail(f"{output}: use a .dot, .svg or .png file name")
     groups = None
+    if pservers is None and startup_file is not None:
+        fail("--startup is for --pservers: give the pservers to place the ops on")
     if pservers is not None:
         if startup_file is None:
             fail("--pservers needs --startup STARTUP.pb: the transpiler places parameters from both programs")
@@ -120,10 +128,6 @@ def dot(
             groups = pserver_groups(program, plan)
         except Error as e:
             fail(str(e))
-    out = Path(output)
-    fmt = out.suffix.lower().lstrip(".")
-    if fmt not in ("dot", "gv", "svg", "png"):
-        fail(f"{output}: use a .dot, .svg or .png file name")
     dot_path = out if fmt in ("dot", "gv") else out.with_suffix(".dot")
     try:
         dot_path.write_text(to_dot(program, block_idx, groups))
@@ -144,3 +148,22 @@ def dot(
     if result.returncode != 0:
         fail(f"dot failed on {dot_path}: {result.stderr.strip()}", CHECK_FAILED)
     click.echo(f"wrote {out}")
+
+
+def pserver_groups(program: Program, plan: DistributedPlan) -> OpGroups:
+    """Block 0's ops of `program` (the one `plan` was transpiled from) by the pserver that
+    runs them, for `fluidps dot`: each parameter's optimizer ops go with its pserver
+    (group k: endpoint k), or to "several pservers" when it is cut into slices on more
+    than one; learning-rate ops run on every pserver; the rest stay on the trainers."""
+    roles = analyze(program)
+    endpoints = list(plan.endpoints)
+    several, every = len(endpoints), len(endpoints) + 1
+    of_op: dict[tuple[int, int], int] = {}
+    for update in roles.updates:
+        held = {endpoints.index(s.endpoint) for s in plan.slices_of(update.param)}
+        if held:  # (a parameter no pserver holds stays with the trainers)
+            group = held.pop() if len(held) == 1 else several
+            of_op.update({(0, i): group for i in update.ops})
+    of_op.update({(0, i): every for i in roles.lr_ops})
+    names = [f"pserver {k} ({ep})" for k, ep in enumerate(endpoints)] + ["several pservers", "every pserver"]
+    return OpGroups(of_op, names, "trainers", "pservers")

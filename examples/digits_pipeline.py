@@ -7,6 +7,8 @@
 
     # The Fluid way: this script in one process per stage, each training its stage.
     fluidps launch --stages 2 examples/digits_pipeline.py --epochs 5
+    # Two replicas of the pipeline, each stage's parameters on a pserver of its own.
+    fluidps launch --stages 2 --trainers 2 --pservers 1 examples/digits_pipeline.py --epochs 5
 
 The first two layers run on stage 0, the classifier and the loss on stage 1;
 PipelineOptimizer cuts each batch of 64 into 4 micro-batches on the 1F1B
@@ -66,25 +68,34 @@ def train(
 
 
 def train_stage(epochs: int, batch_size: int = 64, seed: int = 0, out: Path | None = None) -> None:
-    """This process's stage of a launched pipeline, on the batches train() would take."""
+    """This process's part of a launched pipeline: a stage of one replica, on its share
+    of the batches train() would take (replica r of N takes rows r*B .. (r+1)*B - 1 of
+    each batch of N*B), or a pserver of one stage's parameters."""
     role = fluidps.role_from_env()
     main, startup, _, loss, _ = build(seed=seed + 1)
     mine = fluidps.transpile_for_role(role, main, startup)
+    exe = fluidps.Executor()
+    if role.is_pserver:  # stage role.stage's parameters: serve until every replica is done
+        exe.run(mine.startup)
+        exe.run(mine.main)
+        return
     x_train, _, y_train, _ = load_data(seed)
     last = role.stage == mine.plan.num_stages - 1  # the stage that computes the loss
-    exe = fluidps.Executor()
+    replica = slice(role.trainer_id * batch_size, (role.trainer_id + 1) * batch_size)
     try:
-        exe.run(mine.startup)  # this stage's parameters only
-        batches = shuffled_batches(len(x_train), epochs, batch_size, seed, drop_last=True)
+        exe.run(mine.startup)  # this stage's parameters only (from its pservers, if it has some)
+        global_size = role.trainers * batch_size
+        batches = shuffled_batches(len(x_train), epochs, global_size, seed, drop_last=True)
         for epoch, group in itertools.groupby(batches, key=lambda batch: batch[0]):
             losses = []
             for _, idx in group:
-                feed = {"image": x_train[idx], "label": y_train[idx]}
+                rows = idx[replica]
+                feed = {"image": x_train[rows], "label": y_train[rows]}
                 losses += exe.run(mine.main, feed=feed, fetch_list=[loss] if last else [])
             if last:
                 print(f"epoch {epoch + 1}: loss {np.mean(losses):.4f}", flush=True)
         params = mine.plan.stages[role.stage].params
-        if out is not None:
+        if out is not None and role.trainer_id == 0:
             out.mkdir(parents=True, exist_ok=True)
             np.savez(out / f"stage.{role.stage}.npz", **{n: exe.scope[n] for n in params})
         print(f"stage {role.stage}: {len(params)} parameters trained", flush=True)

@@ -14,7 +14,8 @@ manifests runs unchanged:
   FLUIDPS_COORDINATOR           the coordinator's address, where readers get their tasks
   FLUIDPS_STAGE                 a pipeline stage's process (fluidps launch --stages): its stage,
                                 0 .. the number of stages - 1; PADDLE_PSERVERS_IP_PORT_LIST may
-                                then be unset (a pipeline of one replica needs no pserver)
+                                then be unset (a pipeline of one replica needs no pserver); a
+                                pserver's: the stage whose parameters it serves
   FLUIDPS_STAGE_ENDPOINTS       every stage process's endpoint, comma-separated, in stage order
 
 `fluidps launch` sets them for every process it starts. These configure how a
@@ -181,7 +182,7 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     pservers = env.get("PADDLE_PSERVERS_IP_PORT_LIST", "").strip()
     endpoints = (
         ()
-        if stage is not None and not pservers
+        if stage is not None and role == "TRAINER" and not pservers
         else parse_endpoints(
             _get(env, "PADDLE_PSERVERS_IP_PORT_LIST", "comma-separated pserver endpoints host:port"),
             "PADDLE_PSERVERS_IP_PORT_LIST",
@@ -202,15 +203,18 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     trainer_id = _int(env, "PADDLE_TRAINER_ID", id_what, 0, trainers - 1) if has_id else 0
     pod_ip = _get(env, "POD_IP", "this pserver's host or IP address")
     port = _int(env, "PADDLE_PORT", "this pserver's TCP port, an integer from 1 to 65535", 1, 65535)
-    return RoleInfo(role, trainer_id, trainers, endpoints, format_endpoint(pod_ip, port), mode, dataset)
+    current = format_endpoint(pod_ip, port)
+    return RoleInfo(role, trainer_id, trainers, endpoints, current, mode, dataset, stage, stage_endpoints)
 
 
 def _stage(env: Mapping[str, str], role: str) -> tuple[int | None, tuple[str, ...]]:
-    """FLUIDPS_STAGE and FLUIDPS_STAGE_ENDPOINTS: (None, ()) when this is no stage's process."""
+    """FLUIDPS_STAGE and FLUIDPS_STAGE_ENDPOINTS: (None, ()) when this is no stage's process.
+    A pserver with FLUIDPS_STAGE serves that stage's parameters (its endpoints optional)."""
     if not env.get("FLUIDPS_STAGE", "").strip():
         return None, ()
-    if role != "TRAINER":
-        raise BuilderError(f"FLUIDPS_STAGE is set for a {role}: a pipeline stage's process is a TRAINER")
+    if role == "PSERVER" and not env.get("FLUIDPS_STAGE_ENDPOINTS", "").strip():
+        what = "the pipeline stage whose parameters this pserver serves, an integer >= 0"
+        return _int(env, "FLUIDPS_STAGE", what, 0), ()
     endpoints = tuple(
         parse_endpoints(
             _get(env, "FLUIDPS_STAGE_ENDPOINTS", "every stage's endpoint, comma-separated host:port"),

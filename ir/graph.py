@@ -98,20 +98,25 @@ def _quote(text: str) -> str:
 
 @dataclass(frozen=True)
 class OpGroups:
-    """Where block 0's ops run, for colouring: op index -> group, each group's name in
+    """Where ops run, for colouring: (block, op index) -> group, each group's name in
     the legend (`names[g]`), and the name of the ops in no group (`rest`). A pipeline's
     groups are its stages (`stage_groups`); a parameter-server job's, its pservers
     (fluidps.transpiler.plan.pserver_groups)."""
 
-    of_op: Mapping[int, int]
+    of_op: Mapping[tuple[int, int], int]
     names: Sequence[str]
     rest: str
     title: str
 
 
 def stage_groups(program: Program) -> OpGroups | None:
-    """Block 0's ops by pipeline stage (op_device), or None when no op has a stage."""
-    of_op = {i: s for i, op in enumerate(program.global_block().ops) if (s := _stage(op)) is not None}
+    """Ops by pipeline stage (op_device), or None when no op has a stage."""
+    of_op = {
+        (block.idx, i): s
+        for block in program.blocks
+        for i, op in enumerate(block.ops)
+        if (s := _stage(op)) is not None
+    }
     if not of_op:
         return None
     return OpGroups(of_op, [f"stage {s}" for s in range(max(of_op.values()) + 1)], "no stage", "stages")
@@ -125,7 +130,7 @@ def to_dot(program: Program, block_idx: int | None = None, groups: OpGroups | No
     graph = to_networkx(program, block_idx)
     for _, data in graph.nodes(data=True):
         if data["kind"] == "op":
-            data["group"] = groups.of_op.get(data["index"]) if groups and data["block"] == 0 else None
+            data["group"] = groups.of_op.get((data["block"], data["index"])) if groups else None
     by_block: dict[int, list[str]] = {}
     for node, data in graph.nodes(data=True):
         by_block.setdefault(_drawn_in(graph, node, data), []).append(node)

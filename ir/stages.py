@@ -58,9 +58,10 @@ class StageMap:
 
 
 def phase(op: Operator) -> str:
-    """ "forward", "backward" or "optimize" (learning-rate schedule ops included)."""
+    """ "forward", "backward" or "optimize" (learning-rate schedule ops included, and the
+    messages to pservers a stage whose parameters live there sends once a step)."""
     role = op.attr(OP_ROLE_ATTR) if op.has_attr(OP_ROLE_ATTR) else 0
-    if role & (OpRole.Optimize | OpRole.LRSched):
+    if role & (OpRole.Optimize | OpRole.LRSched | OpRole.RPC | OpRole.Dist):
         return "optimize"
     return "backward" if role & OpRole.Backward else "forward"
 

@@ -96,6 +96,8 @@ TENSOR_KINDS = frozenset({VarType.LOD_TENSOR, VarType.SELECTED_ROWS, VarType.LOD
 # Fluid's naming conventions.
 GRAD_SUFFIX = "@GRAD"
 EMPTY_VAR_NAME = "@EMPTY@"  # placeholder argument: "this gradient is not wanted"
+# A pipeline stage's gradient summed over a step's micro-batches: x@GRAD@MERGED (Paddle's name)
+MERGED_SUFFIX = "@MERGED"
 RENAME_SUFFIX = "@RENAME@"  # repeated gradients are renamed x@GRAD@RENAME@0, ... then summed
 OP_ROLE_ATTR = "op_role"
 OP_ROLE_VAR_ATTR = "op_role_var"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fluidps.errors import UnsupportedError
 from fluidps.ir.operator import Operator
 from fluidps.ir.program import Block, Program
-from fluidps.ir.types import EMPTY_VAR_NAME, OP_ROLE_ATTR, OP_ROLE_VAR_ATTR, OpRole
+from fluidps.ir.types import EMPTY_VAR_NAME, MERGED_SUFFIX, OP_ROLE_ATTR, OP_ROLE_VAR_ATTR, OpRole
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,9 @@ def _sent_grad(block: Block, ops: list[Operator], mine: list[int], lr_outputs: s
     for i in mine:
         for name in _names(ops[i].input_arg_names):
             var = block.find_var(name)
-            if var is None or var.persistable or name in written or name in lr_outputs or name in candidates:
+            # (a pipeline stage's gradient summed over its micro-batches is persistable state)
+            held = var is not None and var.persistable and not name.endswith(MERGED_SUFFIX)
+            if var is None or held or name in written or name in lr_outputs or name in candidates:
                 continue
             candidates.append(name)
     if len(candidates) != 1:

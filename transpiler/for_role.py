@@ -19,7 +19,12 @@ from fluidps.ir.devices import StageEndpoints
 from fluidps.ir.program import Program
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
-from fluidps.transpiler.pipeline import PipelineTranspiler, check_shared_seeds, stage_startup
+from fluidps.transpiler.pipeline import (
+    PipelineTranspiler,
+    check_shared_seeds,
+    stage_startup,
+    without_gradient_zeroing,
+)
 from fluidps.transpiler.pipeline_plan import PipelinePlan
 from fluidps.transpiler.plan import DistributedPlan
 
@@ -78,7 +83,10 @@ def transpile_for_role(
     stage's section program (PipelineTranspiler's) bound to its stage and the other
     stages' endpoints, which Executor.run trains as that stage, talking to the other
     stages' processes; its part of the startup program (what the stage holds); and the
-    whole pipeline's plan.
+    whole pipeline's plan. With pservers (`role.pserver_endpoints`), its parameters live
+    there: the section sends its gradients summed over the step's micro-batches and
+    receives the parameters, and a pserver with `role.stage` gets stage `role.stage`'s
+    pserver programs, whose trainers are the replicas' processes of that stage.
 
     `config` says how to transpile (default: DistributeTranspilerConfig(mode=role.mode));
     its mode must be the role's, which the launcher gives every process of the job.
@@ -95,8 +103,6 @@ def transpile_for_role(
             for batch in batches:
                 exe.run(mine.main, feed=batch, fetch_list=[loss])
     """
-    if role.stage is not None:
-        return _stage_programs(role, program, startup_program)
     if config is None:
         config = DistributeTranspilerConfig(mode=role.mode)
     elif config.mode != role.mode:
@@ -104,6 +110,8 @@ def transpile_for_role(
             f"the config's mode is {config.mode!r} but the role's is {role.mode!r} (FLUIDPS_MODE): every "
             f"process of a job must transpile for the job's mode; pass a config with mode={role.mode!r}"
         )
+    if role.stage is not None:
+        return _stage_programs(role, program, startup_program, config)
     transpiler = DistributeTranspiler(config)
     plan = transpiler.transpile(
         role.trainer_id,
@@ -120,25 +128,72 @@ def transpile_for_role(
     return RolePrograms(transpiler.get_trainer_program(), transpiler.get_trainer_startup_program(), plan)
 
 
-def _stage_programs(role: ProcessRole, program: Program, startup_program: Program) -> RolePrograms:
+def _stage_programs(
+    role: ProcessRole, program: Program, startup_program: Program, config: DistributeTranspilerConfig
+) -> RolePrograms:
     if program.pipeline is None:
         raise BuilderError(
             f"this process is pipeline stage {role.stage} (FLUIDPS_STAGE) but the program has no pipeline: "
             "minimize its loss with fluidps.optimizer.PipelineOptimizer, or launch it without --stages"
         )
-    if role.trainers > 1:
-        raise UnsupportedError(
-            f"a launched pipeline runs one replica for now, not {role.trainers} (PADDLE_TRAINERS_NUM)"
+    plan = PipelineTranspiler().transpile(program, replace(program.pipeline, this_stage=None))
+    if not 0 <= role.stage < plan.num_stages:
+        raise BuilderError(
+            f"the program has stages 0..{plan.num_stages - 1}, not {role.stage} (FLUIDPS_STAGE)"
         )
+    check_shared_seeds(startup_program, plan)
+    if role.is_pserver or role.pserver_endpoints:  # the stage's parameters live on pservers
+        return _stage_on_pservers(role, plan, startup_program, config)
+    if role.trainers > 1:
+        raise BuilderError(
+            f"{role.trainers} replicas of a pipeline (PADDLE_TRAINERS_NUM) keep their stages' parameters in step "
+            "through pservers: launch with --pservers too"
+        )
+    section = plan.stages[role.stage].program.clone()  # its own ops, sends and receives
+    section.pipeline = replace(plan.config, this_stage=_this_stage(role, plan))
+    return RolePrograms(section, stage_startup(startup_program, plan, role.stage), plan)
+
+
+def _stage_on_pservers(
+    role: ProcessRole, plan: PipelinePlan, startup_program: Program, config: DistributeTranspilerConfig
+) -> RolePrograms:
+    """Stage `role.stage`'s parameters on its pservers, as a sync job whose trainers are the
+    replicas' processes of that stage: each sends its gradients summed over the step's
+    micro-batches, the pservers average them over the replicas and update."""
+    k = role.stage
+    if config.mode != "sync":
+        raise UnsupportedError(
+            f"replicas of a pipeline keep their parameters in step in sync mode only, not {config.mode!r}"
+        )
+    shared = sorted({c.var for c in plan.crossings if c.phase == "optimize" and k in (c.src, c.dst)})
+    if shared:
+        raise UnsupportedError(
+            f"{', '.join(shared)}: a weight several stages read cannot live on pservers yet; give each stage "
+            "its own weights, or run one replica without pservers"
+        )
+    section = without_gradient_zeroing(plan.stages[k].program)  # (each step's start zeroes the sums)
+    transpiler = DistributeTranspiler(config)
+    transpiler.transpile(
+        role.trainer_id,
+        section,
+        pservers=role.pserver_endpoints,
+        trainers=role.trainers,
+        startup_program=stage_startup(startup_program, plan, k),
+    )
+    if role.is_pserver:
+        if role.current_endpoint is None:
+            raise BuilderError("a pserver's role needs its own endpoint (current_endpoint)")
+        return RolePrograms(*transpiler.get_pserver_programs(role.current_endpoint), plan)
+    trainer = transpiler.get_trainer_program()
+    trainer.pipeline = replace(plan.config, this_stage=_this_stage(role, plan))
+    return RolePrograms(trainer, transpiler.get_trainer_startup_program(), plan)
+
+
+def _this_stage(role: ProcessRole, plan: PipelinePlan) -> StageEndpoints:
     this = StageEndpoints(role.stage, tuple(role.stage_endpoints))
-    config = replace(program.pipeline, this_stage=None)
-    plan = PipelineTranspiler().transpile(program, config)
     if plan.num_stages != len(this.endpoints):
         raise BuilderError(
             f"the program has {plan.num_stages} pipeline stages but {len(this.endpoints)} stage processes were "
             f"started (FLUIDPS_STAGE_ENDPOINTS): launch it with --stages {plan.num_stages}"
         )
-    check_shared_seeds(startup_program, plan)
-    section = plan.stages[role.stage].program.clone()  # its own ops, sends and receives
-    section.pipeline = replace(plan.config, this_stage=this)
-    return RolePrograms(section, stage_startup(startup_program, plan, role.stage), plan)
+    return this

@@ -166,6 +166,20 @@ def stage_startup(startup: Program, plan: PipelinePlan, stage: int) -> Program:
     return program
 
 
+def without_gradient_zeroing(section: Program) -> Program:
+    """A copy of a stage's section program without the ops that zero its gradient sums
+    after the update (a stage whose parameters live on pservers sends the sums once a
+    step after its last micro-batch; StageRunner zeroes them at each step's start)."""
+    program = section.clone()
+    block = program.global_block()
+    block.ops = [
+        op
+        for op in block.ops
+        if not (op.type == "fill_constant" and all(n.endswith(MERGED_SUFFIX) for n in op.output_arg_names))
+    ]
+    return program
+
+
 def check_shared_seeds(startup: Program, plan: PipelinePlan) -> None:
     """BuilderError when a weight several stages hold has an initializer without a seed:
     stages that each run their part of `startup` would start from values of their own."""
@@ -175,8 +189,8 @@ def check_shared_seeds(startup: Program, plan: PipelinePlan) -> None:
         if unseeded and (names := sorted(set(op.output_arg_names) & shared)):
             raise BuilderError(
                 f"{op.type} initializes {', '.join(names)}, which several pipeline stages hold, without a seed: "
-                "each stage would start from values of its own; set startup_program.random_seed (or the "
-                "initializer's seed)"
+                "each stage would start from values of its own; set startup_program.random_seed before building "
+                "the model (each initializer takes its seed from it then), or give the initializer a seed"
             )
 
 

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 from fluidps.ir.devices import PipelineConfig
 from fluidps.ir.program import Program
-from fluidps.ir.types import to_numpy_dtype
+from fluidps.ir.types import MERGED_SUFFIX, to_numpy_dtype
 
-MERGED_SUFFIX = "@MERGED"
 FORWARD, BACKWARD = "F", "B"
 Action = tuple[str, int]  # (FORWARD or BACKWARD, micro-batch)
 

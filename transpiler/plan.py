@@ -14,10 +14,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from fluidps.ir.graph import OpGroups
 from fluidps.ir.program import Program
 from fluidps.ir.types import VarType, to_numpy_dtype
-from fluidps.transpiler.analysis import analyze
 from fluidps.transpiler.config import DistributeTranspilerConfig
 
 
@@ -164,21 +162,3 @@ class DistributedPlan:
             "hashed_tables": [t for t in self.distributed_tables() if self.slices_of(t)[0].hashed],
             "notes": list(self.notes),
         }
-
-
-def pserver_groups(program: Program, plan: DistributedPlan) -> OpGroups:
-    """Block 0's ops of `program` (the one `plan` was transpiled from) by the pserver that
-    runs them, for `fluidps dot`: each parameter's optimizer ops go with its pserver
-    (group k: endpoint k), or to "several pservers" when it is cut into slices on more
-    than one; learning-rate ops run on every pserver; the rest stay on the trainers."""
-    roles = analyze(program)
-    endpoints = list(plan.endpoints)
-    several, every = len(endpoints), len(endpoints) + 1
-    of_op: dict[int, int] = {}
-    for update in roles.updates:
-        held = {endpoints.index(s.endpoint) for s in plan.slices_of(update.param)}
-        group = held.pop() if len(held) == 1 else several
-        of_op.update(dict.fromkeys(update.ops, group))
-    of_op.update(dict.fromkeys(roles.lr_ops, every))
-    names = [f"pserver {k} ({ep})" for k, ep in enumerate(endpoints)] + ["several pservers", "every pserver"]
-    return OpGroups(of_op, names, "trainers", "pservers")

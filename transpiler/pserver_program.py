@@ -53,20 +53,30 @@ class _PserverBuilder:
     # -- declarations --------------------------------------------------------------------
 
     def declare_like(
-        self, name: str, origin: str, *, shape=None, type=None, slice_: Slice | None = None
+        self,
+        name: str,
+        origin: str,
+        *,
+        shape=None,
+        type=None,
+        slice_: Slice | None = None,
+        state: bool = True,
     ) -> None:
-        """Declare `name` in block 0 after the original variable `origin`."""
+        """Declare `name` in block 0 after the original variable `origin`; persistable as it
+        is, unless it is no `state` of the pserver (a gradient the trainers send: a pipeline
+        stage's is persistable where it is summed, not here)."""
         if name in self.global_block.vars:
             return
         var = self.origin.var(origin)
+        persistable = var.persistable and state
         self.global_block.create_var(
             name,
             shape=var.shape if shape is None else shape,
             dtype=var.dtype,
             type=var.type if type is None else type,
-            persistable=var.persistable,
+            persistable=persistable,
         )
-        if var.persistable:
+        if persistable:
             self.origins[name] = (origin, slice_)
 
     def sub_block(self) -> Block:
@@ -95,7 +105,7 @@ class _PserverBuilder:
         self.declare_like(s.name, s.param, shape=s.shape, slice_=s if sliced else None)
         grad_type = VarType.SELECTED_ROWS if s.sparse else VarType.LOD_TENSOR
         grad_shape = (s.rows, *param.shape[1:])
-        self.declare_like(s.grad, update.grad, shape=grad_shape, type=grad_type)
+        self.declare_like(s.grad, update.grad, shape=grad_shape, type=grad_type, state=False)
         block = self.sub_block()
         role_var = [s.name, s.grad]
         queue_block = None
@@ -104,7 +114,7 @@ class _PserverBuilder:
         elif self.config.mode == "sync":
             copies = [f"{s.grad}.trainer_{t}" for t in range(self.trainers)]
             for name in copies:
-                self.declare_like(name, update.grad, shape=grad_shape, type=grad_type)
+                self.declare_like(name, update.grad, shape=grad_shape, type=grad_type, state=False)
             append_role_op(
                 block, "sum", {"X": copies}, {"Out": s.grad}, role=OpRole.Optimize, role_var=role_var
             )

@@ -13,7 +13,9 @@ stops whatever it started. Its output comes back line by line, prefixed with
 
 With `stages=P` the job is a pipeline instead: P processes of the script, "stage.0" ..
 "stage.P-1", each told its stage and every stage's endpoint (FLUIDPS_STAGE,
-FLUIDPS_STAGE_ENDPOINTS; no pserver): it ends when every stage exited 0.
+FLUIDPS_STAGE_ENDPOINTS; no pserver): it ends when every stage exited 0. With
+`trainers=N` and `pservers=S` too, N replicas of the stages ("stage.k.r") keep each
+stage's parameters in step through S pservers of that stage's own ("pserver.k.j").
 
 With a dataset, the job is fault tolerant instead: see DatasetLauncher
 (fluidps.executor.launch.dataset_launcher).
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from fluidps.endpoints import format_endpoint, pick_free_ports
-from fluidps.errors import BuilderError, UnsupportedError
+from fluidps.errors import BuilderError
 from fluidps.executor.env import (
     CONTRACT_VARS,
     INCARNATION_ENV,
@@ -118,28 +120,69 @@ def stage_environments(
     mode: str,
     base: Mapping[str, str] | None = None,
     secret: JobSecret | None = None,
+    replicas: int = 1,
+    pserver_ports: Sequence[int] = (),
 ) -> list[tuple[str, dict[str, str]]]:
-    """(name, environment) of every stage process of a launched pipeline (one replica, no
-    pserver): stage k is trainer 0 of 1 with FLUIDPS_STAGE=k, and each listens for its
-    peers' values at its own port of `ports`."""
+    """(name, environment) of every process of a launched pipeline: `replicas` replicas of
+    its stages, replica r's stage k listening for its peers' values at
+    ports[r * stages + k] ("stage.k", or "stage.k.r" with several replicas: trainer r of
+    `replicas`, FLUIDPS_STAGE=k); and, with `pserver_ports` (stage-major, the same number
+    per stage), each stage's pservers ("pserver.k.j", FLUIDPS_STAGE=k), whose trainers are
+    the replicas' processes of that stage."""
+    if replicas < 1 or len(ports) % replicas or len(pserver_ports) % (len(ports) // replicas):
+        raise BuilderError(
+            f"{len(ports)} stage ports and {len(pserver_ports)} pserver ports do not make {replicas} replicas"
+        )
+    stages = len(ports) // replicas
+    per_stage = len(pserver_ports) // stages
     env = dict(os.environ if base is None else base)
     for var in CONTRACT_VARS:
         env.pop(var, None)
-    endpoints = ",".join(format_endpoint(host, p) for p in ports)
     env.update(
-        TRAINING_ROLE="TRAINER",
-        PADDLE_TRAINER_ID="0",
-        PADDLE_TRAINERS_NUM="1",
-        FLUIDPS_STAGE_ENDPOINTS=endpoints,
+        PADDLE_TRAINERS_NUM=str(replicas),
         FLUIDPS_MODE=mode,
         PYTHONUNBUFFERED="1",
         FLUIDPS_STACKS_ON_SIGUSR1="1",
         **{SECRET_ENV: (secret or JobSecret.generate()).hex()},
     )
-    share = max((os.cpu_count() or 1) // len(ports), 1)
+    share = max((os.cpu_count() or 1) // (len(ports) + len(pserver_ports)), 1)
     for name, value in thread_limits(share).items():
         env.setdefault(name, value)
-    return [(f"stage.{k}", env | {"FLUIDPS_STAGE": str(k)}) for k in range(len(ports))]
+    incarnations = [[new_incarnation() for _ in range(stages)] for _ in range(replicas)]
+    jobs = []
+    for k in range(stages):
+        mine = pserver_ports[k * per_stage : (k + 1) * per_stage]
+        servers = ",".join(format_endpoint(host, p) for p in mine)
+        for j, port in enumerate(mine):
+            jobs.append(
+                (
+                    f"pserver.{k}.{j}",
+                    env
+                    | {
+                        "TRAINING_ROLE": "PSERVER",
+                        "FLUIDPS_STAGE": str(k),
+                        "PADDLE_PSERVERS_IP_PORT_LIST": servers,
+                        "POD_IP": host,
+                        "PADDLE_PORT": str(port),
+                        TRAINER_INCARNATIONS_ENV: ",".join(incarnations[r][k] for r in range(replicas)),
+                    },
+                )
+            )
+    for r in range(replicas):
+        endpoints = ",".join(format_endpoint(host, p) for p in ports[r * stages : (r + 1) * stages])
+        for k in range(stages):
+            stage_env = env | {
+                "TRAINING_ROLE": "TRAINER",
+                "PADDLE_TRAINER_ID": str(r),
+                "FLUIDPS_STAGE": str(k),
+                "FLUIDPS_STAGE_ENDPOINTS": endpoints,
+                INCARNATION_ENV: incarnations[r][k],
+            }
+            if per_stage:
+                mine = pserver_ports[k * per_stage : (k + 1) * per_stage]
+                stage_env["PADDLE_PSERVERS_IP_PORT_LIST"] = ",".join(format_endpoint(host, p) for p in mine)
+            jobs.append((f"stage.{k}" if replicas == 1 else f"stage.{k}.{r}", stage_env))
+    return jobs
 
 
 @dataclass
@@ -192,10 +235,10 @@ class Launcher:
             raise BuilderError(f"script {script} not found")
         if stages < 0:
             raise BuilderError(f"stages must be >= 1 for a pipeline (0: none), got {stages}")
-        if stages and (pservers, trainers) != (0, 1):
-            raise UnsupportedError(
-                f"a launched pipeline runs one replica of its {stages} stages and no pserver for now: give "
-                f"--stages alone, not {pservers} pserver(s) and {trainers} trainer(s)"
+        if stages and trainers > 1 and pservers < 1:
+            raise BuilderError(
+                f"{trainers} replicas of a pipeline keep their parameters in step through pservers: give "
+                "--pservers too (each stage gets that many)"
             )
         if pservers < 1 and not stages:
             raise BuilderError(f"a job needs at least one pserver, got {pservers}")
@@ -367,7 +410,8 @@ class Launcher:
                     self.log_dir.mkdir(parents=True, exist_ok=True)
                 except OSError as e:
                     raise BuilderError(f"cannot create log directory {self.log_dir}: {e}") from None
-            listening = self.stages or self.pservers  # a pipeline's stages listen, or the pservers
+            # A pipeline's stages listen (each replica's), and its pservers (each stage's); or a job's pservers.
+            listening = self.stages * (self.trainers + self.pservers) if self.stages else self.pservers
             ports = pick_free_ports(self.host, listening + self.extra_ports, self.start_port)
             self.endpoints = [format_endpoint(self.host, p) for p in ports[:listening]]
             self.secret = JobSecret.generate()
@@ -375,7 +419,15 @@ class Launcher:
             self._say(self._describe())
             self._start_helpers()
             if self.stages:
-                processes = stage_environments(self.host, ports[:listening], self.mode, secret=self.secret)
+                cut = self.stages * self.trainers
+                processes = stage_environments(
+                    self.host,
+                    ports[:cut],
+                    self.mode,
+                    secret=self.secret,
+                    replicas=self.trainers,
+                    pserver_ports=ports[cut:listening],
+                )
             else:
                 processes = job_environments(
                     self.host, ports[:listening], self.trainers, self.mode, extra=extra, secret=self.secret
@@ -408,14 +460,19 @@ class Launcher:
 
     def _describe(self) -> str:
         if self.stages:
-            text = f"a pipeline of {self.stages} stages at {','.join(self.endpoints)}"
+            text = f"a pipeline of {self.stages} stages at {','.join(self.endpoints[: self.stages * self.trainers])}"
+            if self.pservers:
+                text += (
+                    f", {self.trainers} replica(s), {self.pservers} pserver(s) per stage at "
+                    f"{','.join(self.endpoints[self.stages * self.trainers :])}"
+                )
         else:
             text = (
                 f"{self.pservers} pserver(s) at {','.join(self.endpoints)}, "
                 f"{self.trainers} trainer(s), mode {self.mode}"
             )
         if self.cores is not None:
-            names = [f"pserver.{k}" for k in range(self.pservers)] + [
+            names = [f"pserver.{k}" for k in range(self.pservers if not self.stages else 0)] + [
                 f"trainer.{i}" for i in range(self.trainers if not self.stages else 0)
             ]
             names += [f"stage.{k}" for k in range(self.stages)]

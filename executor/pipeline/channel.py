@@ -51,6 +51,9 @@ class RemoteStageChannel:
         self._mail: dict[tuple[int, str, int, int], Any] = {}  # (from, name, step, micro-batch) -> value
         self._arrived = threading.Condition()
         self._unacknowledged: list[tuple[int, str, int]] = []  # (peer, variable, request id)
+        # Peers that answered once: until then a peer may still be starting (a launched stage
+        # binds its endpoint at its first step), and gets the warm-up allowance, not the timeout.
+        self._answered: set[int] = set()
 
     # -- the serving loop's side ---------------------------------------------------------
 
@@ -76,6 +79,7 @@ class RemoteStageChannel:
                 raise Error(f"STAGE_SEND from stage {src}: {len(self._mail)} values wait here already")
             for name, value in msg.tensors.items():
                 self._mail[(src, name, msg.step, msg.micro_batch)] = value
+            self._answered.add(src)  # (it is running: from now on its silence counts)
             self._arrived.notify_all()
 
     # -- the worker's side ------------------------------------------------------------------
@@ -107,9 +111,13 @@ class RemoteStageChannel:
             client = self._client(peer)
             try:
                 if wait:
-                    client.wait(rid, self._settings.request_timeout)
-                elif client.poll(rid, 0) is None:
-                    still.append((peer, name, rid))
+                    client.wait(rid, self._settings.request_timeout, warming=peer not in self._answered)
+                else:
+                    client.begin_wait()  # (only collecting: whether the peer is alive is for flush)
+                    if client.poll(rid, 0) is None:
+                        still.append((peer, name, rid))
+                        continue
+                self._answered.add(peer)
             except Error as e:
                 self._unacknowledged = []
                 raise ExecutionError(
@@ -135,12 +143,18 @@ class RemoteStageChannel:
                 client.begin_wait()
                 probe = client.request(Message(Kind.HELLO))
             try:
-                if client.poll(probe, 0) is not None:
+                if client.poll(probe, 0, warming=peer not in self._answered) is not None:
                     probe = None  # it answered: alive; ask again next time round
+                    self._answered.add(peer)
             except PeerLostError as e:
+                what = (
+                    "stopped answering"
+                    if peer in self._answered
+                    else "never answered (did its process start?)"
+                )
                 raise ExecutionError(
                     f"stage {self.stage} waited for {name!r} (step {self.step}, micro-batch {self.micro_batch}) "
-                    f"from stage {peer}, which stopped answering: {e}"
+                    f"from stage {peer}, which {what}: {e}"
                 ) from None
             if time.monotonic() > deadline:
                 raise ExecutionError(

@@ -44,6 +44,7 @@ class StageServer:
         self._server = RpcServer(context, endpoint, self.name, settings)
         self._channel = channel
         self._running = True
+        self.failure: str | None = None  # why the serving thread stopped, if not told to
         self._thread = threading.Thread(target=self._serve, name=f"{self.name} server", daemon=True)
         self._thread.start()
 
@@ -61,7 +62,9 @@ class StageServer:
                         else:
                             raise Error(f"takes HELLO and STAGE_SEND messages, not {msg.kind_name}")
                     except Error as e:
-                        self._server.error(request, f"{self.name}: {e}")
+                        self._server.error(request, str(e))  # (the peer's error names this stage)
+        except Exception as e:  # (a socket failing under it): the stage's next step says so
+            self.failure = f"{type(e).__name__}: {e}"
         finally:
             self._server.close(linger_s=LINGER_S)
 
@@ -88,6 +91,7 @@ class StageProcess:
         self._server = server
         block = plan.program.global_block()
         self._holds = {n for n, v in block.vars.items() if v.persistable and not n.endswith(MERGED_SUFFIX)}
+        self._broken: str | None = None  # what failed a step: no later step can run
 
     @property
     def steps(self) -> int:
@@ -97,6 +101,13 @@ class StageProcess:
         """One step of this stage on the fed mini-batch (every stage's script feeds the
         same one; each reads its own columns). Fetches are what this stage makes or holds."""
         k, plan = self.plan.stage, self.plan
+        if self._broken is not None:
+            raise ExecutionError(
+                f"stage {k} failed at step {self.steps + 1} ({self._broken}); its peers are past it or gone: "
+                "start the job again (from a checkpoint)"
+            )
+        if self._server.failure is not None:
+            raise ExecutionError(f"stage {k} stopped serving its peers: {self._server.failure}")
         check_feed(feed, self.runner.config.num_microbatches)
         for name in fetch_names:
             if name not in plan.made and name not in self._holds:
@@ -107,10 +118,14 @@ class StageProcess:
         missing = [n for n in plan.feeds if n not in feed]
         if missing:
             raise ExecutionError(f"stage {k} reads {', '.join(missing)}: add it to feed")
-        made = self.runner.step(
-            scope, {n: feed[n] for n in plan.feeds}, [n for n in fetch_names if n in plan.made]
-        )
-        self._channel.flush()  # every value it sent was taken: the step is done here
+        try:
+            made = self.runner.step(
+                scope, {n: feed[n] for n in plan.feeds}, [n for n in fetch_names if n in plan.made]
+            )
+            self._channel.flush()  # every value it sent was taken: the step is done here
+        except Exception as e:  # (half a step ran: its values are spent, the next cannot follow)
+            self._broken = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise
         self._channel.next_step()
         return [made[n] if n in made else np.array(scope.find(n), copy=True) for n in fetch_names]
 

@@ -45,7 +45,12 @@ class StageRunner:
     def begin(self, scope: Any, micro_feeds: list[dict[str, Any]], fetch_names: Sequence[str]) -> None:
         """Start a step on these micro-batches' feeds; fetch what of `fetch_names` this stage's forward makes."""
         for name, shape, dtype in self.plan.accumulators:  # the gradient sums start at zero
-            if scope.find(name) is None:
+            # (here, not only after the update: a failed step leaves them half summed, and a
+            # stage whose parameters live on pservers has no update to zero them after)
+            held = scope.find(name)
+            if isinstance(held, np.ndarray) and held.flags.writeable:
+                held[...] = 0
+            else:
                 scope[name] = np.zeros(shape, dtype)
         self._feeds = micro_feeds
         self._wanted = [n for n in fetch_names if n in self.plan.made]

@@ -148,13 +148,14 @@ class RpcClient:
             return False
         return True
 
-    def wait(self, rid: int, timeout: float | None = None) -> Message:
-        """The reply to request `rid`; raises if the server errs, dies or takes too long."""
+    def wait(self, rid: int, timeout: float | None = None, warming: bool | None = None) -> Message:
+        """The reply to request `rid`; raises if the server errs, dies or takes too long.
+        `warming`: as for poll."""
         limit = self.settings.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         self.begin_wait()
         try:
-            while (reply := self.poll(rid, self.settings.heartbeat_interval)) is None:
+            while (reply := self.poll(rid, self.settings.heartbeat_interval, warming)) is None:
                 if time.monotonic() > deadline:
                     kind = Kind.Name(self._sent[rid][2]) if rid in self._sent else "?"
                     raise TransportError(
@@ -174,15 +175,18 @@ class RpcClient:
         """Start counting the server's silence now: between waits nobody pings it."""
         self.silence.restart(time.monotonic())
 
-    def poll(self, rid: int, timeout: float) -> Message | None:
+    def poll(self, rid: int, timeout: float, warming: bool | None = None) -> Message | None:
         """Wait at most `timeout` seconds for the reply to `rid`: the reply, or None.
         Pings the server while waiting and raises PeerLostError once it has been
         silent for longer than its allowance (counted from `begin_wait`; the peer
         timeout, stretched as fluidps.executor.transport.liveness says), RemoteError
-        if it erred."""
+        if it erred. `warming`: whether the server may still be starting (its warm-up
+        allowance applies); None: as the request's kind says (WARMING_KINDS)."""
         if rid not in self._replies:
             now = time.monotonic()
-            first_step = rid in self._sent and self._sent[rid][2] in WARMING_KINDS
+            first_step = (
+                warming if warming is not None else rid in self._sent and self._sent[rid][2] in WARMING_KINDS
+            )
             if self.silence.expired(now, first_step):
                 self._drain()  # what arrived while this thread was busy counts before any silence
             if rid not in self._replies and self.silence.expired(now, first_step):

@@ -19,7 +19,7 @@ import pytest
 
 import fluidps
 from fluidps.endpoints import pick_free_ports
-from fluidps.errors import UnsupportedError
+from fluidps.errors import BuilderError
 from fluidps.executor.launch.launcher import Launcher, stage_environments
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,6 +68,29 @@ def test_a_launched_pipeline_trains_each_stage_as_the_pipeline_does_in_one_proce
             np.testing.assert_allclose(
                 value, exe.scope[name], rtol=1e-5, atol=1e-7, err_msg=f"stage {k}: {name}"
             )
+
+
+def test_replicas_of_a_launched_pipeline_train_as_local_training_on_their_joined_batches(tmp_path):
+    args = ("--stages", "2", "--trainers", "2", "--pservers", "1", str(PIPELINE), "--epochs", "1")
+    result = fluidps_launch(*args, "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name in ("stage.0.0", "stage.0.1", "stage.1.0", "stage.1.1"):
+        assert f"[{name}] stage {name.split('.')[1]}: " in result.stdout, name
+    assert "[stage.1.0] epoch 1: loss" in result.stdout and "[stage.1.1] epoch 1: loss" in result.stdout
+
+    # Local training of the same program on the batches both replicas took, joined.
+    pipeline, digits_mlp = _example("digits_pipeline"), _example("digits_mlp")
+    main, startup, _, loss, _ = pipeline.build(seed=1)
+    x_train, _, y_train, _ = digits_mlp.load_data(0)
+    exe = fluidps.Executor()
+    exe.run(startup)
+    for _, idx in digits_mlp.shuffled_batches(len(x_train), 1, 2 * 64, 0, drop_last=True):
+        exe.run(main, feed={"image": x_train[idx], "label": y_train[idx]}, fetch_list=[loss])
+    for k in (0, 1):
+        with np.load(tmp_path / f"stage.{k}.npz") as saved:
+            assert saved.files, f"stage {k} saved nothing"
+            for name in saved.files:  # Adam over float32 sums in another order: 1e-4
+                np.testing.assert_allclose(saved[name], exe.scope[name], rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def read(path: Path) -> str:
@@ -127,18 +150,40 @@ def test_every_stage_process_is_told_its_stage_and_where_the_others_listen():
         assert env["FLUIDPS_JOB_SECRET"] == processes[0][1]["FLUIDPS_JOB_SECRET"]
 
 
-def test_stages_with_pservers_or_replicas_are_refused_until_hybrid_pipelines_exist(tmp_path):
+def test_replicas_with_pservers_of_their_stages_are_told_who_they_are():
+    processes = dict(stage_environments("127.0.0.1", [7001, 7002, 7003, 7004], "sync", {}, replicas=2,
+                                        pserver_ports=[7101, 7102, 7201, 7202]))  # fmt: skip
+    assert sorted(processes) == [
+        "pserver.0.0", "pserver.0.1", "pserver.1.0", "pserver.1.1",
+        "stage.0.0", "stage.0.1", "stage.1.0", "stage.1.1",
+    ]  # fmt: skip
+    replica1_stage0 = fluidps.role_from_env(processes["stage.0.1"])
+    assert (replica1_stage0.stage, replica1_stage0.trainer_id, replica1_stage0.trainers) == (0, 1, 2)
+    assert replica1_stage0.stage_endpoints == ("127.0.0.1:7003", "127.0.0.1:7004")  # its replica's stages
+    assert replica1_stage0.pserver_endpoints == ("127.0.0.1:7101", "127.0.0.1:7102")  # its stage's pservers
+    pserver = fluidps.role_from_env(processes["pserver.1.1"])
+    assert pserver.is_pserver and pserver.stage == 1 and pserver.current_endpoint == "127.0.0.1:7202"
+    assert pserver.pserver_endpoints == ("127.0.0.1:7201", "127.0.0.1:7202") and pserver.trainers == 2
+    # each stage's pservers know the incarnations of that stage's processes, in replica order
+    incarnations = [processes[f"stage.1.{r}"]["FLUIDPS_INCARNATION"] for r in (0, 1)]
+    assert processes["pserver.1.0"]["FLUIDPS_TRAINER_INCARNATIONS"] == ",".join(incarnations)
+
+
+def test_replicas_without_pservers_are_refused(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("")
-    with pytest.raises(UnsupportedError, match="one replica of its 2 stages and no pserver"):
-        Launcher(str(script), pservers=1, trainers=1, stages=2)
+    with pytest.raises(
+        BuilderError, match="2 replicas of a pipeline keep their parameters in step through pservers"
+    ):
+        Launcher(str(script), pservers=0, trainers=2, stages=2)
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--stages", "2", "--pservers", "1", "x.py"], "give no --pservers, --trainers or --dataset"),
-        (["--stages", "0", "x.py"], "--stages"),
+        (["--stages", "2", "--pservers", "1", "x.py"], "give both --trainers (replicas) and --pservers"),
+        (["--stages", "2", "--dataset", "d", "x.py"], "give no --dataset"),
+        (["--stages", "0", "x.py"], "0 is not in the range"),
         (["x.py"], "give --pservers and --trainers (a parameter-server job), or --stages (a pipeline)"),
     ],
 )

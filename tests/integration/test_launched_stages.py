@@ -6,6 +6,7 @@ with an Executor each (tests/distributed/test_pipeline_launch.py runs them as pr
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -60,17 +61,20 @@ def endpoints(count: int) -> list[str]:
     return [format_endpoint("127.0.0.1", p) for p in pick_free_ports("127.0.0.1", count)]
 
 
-def run_stages(build, feeds, fetch, stages: int = 2):
+def run_stages(build, feeds, fetch, stages: int = 2, late: float = 0.0, **settings):
     """Each stage in a thread of its own with its own Executor: per stage, (its losses per
-    step (the stage that makes `fetch`), its parameters after the last step)."""
+    step (the stage that makes `fetch`), its parameters after the last step, its stats).
+    The last stage starts `late` seconds after the others."""
     ends = endpoints(stages)
     results: dict[int, tuple[list, dict]] = {}
     errors: list[BaseException] = []
 
     def stage(k: int) -> None:
+        if k == stages - 1:
+            time.sleep(late)
         main, startup, loss, _ = build()
         mine = fluidps.transpile_for_role(stage_role(k, ends), main, startup)
-        exe = executor(peer_timeout=30.0)
+        exe = executor(**({"peer_timeout": 30.0} | settings))
         try:
             exe.run(mine.startup)
             owner = mine.plan.owner(fetch(loss))
@@ -120,6 +124,19 @@ def test_stages_with_executors_of_their_own_train_as_the_pipeline_in_one_process
     assert stages[0][2][0]["steps"] == len(feeds)
 
 
+def test_a_stage_that_starts_long_after_its_peer_is_waited_for_as_a_peer_warming_up():
+    def build():
+        return staged_mlp({"num_microbatches": 2})
+
+    feeds = batches()[:3]
+    # stage 1 comes 3 peer timeouts late; stage 0, already waiting, gives it the warm-up allowance
+    stages = run_stages(
+        build, feeds, lambda loss: loss.name, late=3.0, peer_timeout=1.0, heartbeat_interval=0.1
+    )
+    local, _ = run_local(build, feeds, lambda loss: loss.name)
+    assert [float(v) for (v,) in stages[1][0]] == pytest.approx([float(v) for (v,) in local], rel=1e-6)
+
+
 def test_a_weight_two_launched_stages_read_is_updated_once_with_both_gradients():
     def build():
         return shared_weight_mlp(adam(), {"num_microbatches": 2})
@@ -153,11 +170,13 @@ def test_a_stage_whose_peer_never_comes_says_so_within_the_peer_timeout():
     ends = endpoints(2)  # (nothing runs stage 0)
     main, startup, _, _ = staged_mlp({"num_microbatches": 2})
     mine = fluidps.transpile_for_role(stage_role(1, ends), main, startup)
-    exe = executor(peer_timeout=1.0, heartbeat_interval=0.1)
+    exe = executor(peer_timeout=1.0, heartbeat_interval=0.1, warmup_timeout=2.0)
     try:
         exe.run(mine.startup)
-        with pytest.raises(fluidps.Error, match=r"stage 1 waited for .* from stage 0"):
+        with pytest.raises(fluidps.Error, match=r"stage 1 waited for .* from stage 0, which never answered"):
             exe.run(mine.main, feed=batches()[0])
+        with pytest.raises(ExecutionError, match=r"stage 1 failed at step 1 \(.*\).* start the job again"):
+            exe.run(mine.main, feed=batches()[0])  # (half a step ran: no later step can follow it)
     finally:
         exe.close()
 
@@ -185,7 +204,9 @@ def test_bad_stage_roles_are_refused_with_what_to_do():
     plain, plain_startup, _, _ = staged_mlp(None)
     with pytest.raises(BuilderError, match=r"no pipeline: minimize its loss with .*PipelineOptimizer"):
         fluidps.transpile_for_role(stage_role(0, endpoints(2)), plain, plain_startup)
-    with pytest.raises(UnsupportedError, match="one replica for now, not 2"):
+    with pytest.raises(
+        BuilderError, match=r"2 replicas of a pipeline .* through pservers: launch with --pservers"
+    ):
         fluidps.transpile_for_role(stage_role(0, endpoints(2), trainers=2), main, startup)
     shared, shared_startup, _, _ = shared_weight_mlp(adam(), {"num_microbatches": 2})
     shared_startup.random_seed = 0
@@ -204,7 +225,8 @@ def test_bad_stage_roles_are_refused_with_what_to_do():
         ({"FLUIDPS_STAGE": "2"}, "FLUIDPS_STAGE='2' is invalid: it should hold this process's pipeline stage, an "
          "integer from 0 to 1"),
         ({"FLUIDPS_STAGE_ENDPOINTS": ""}, "FLUIDPS_STAGE_ENDPOINTS is empty"),
-        ({"TRAINING_ROLE": "PSERVER"}, "FLUIDPS_STAGE is set for a PSERVER"),
+        ({"TRAINING_ROLE": "PSERVER", "FLUIDPS_STAGE": "x", "FLUIDPS_STAGE_ENDPOINTS": ""},
+         "FLUIDPS_STAGE='x' is invalid: it should hold the pipeline stage whose parameters this pserver serves"),
     ],
 )  # fmt: skip
 def test_a_bad_stage_environment_is_refused_naming_the_variable(env, message):
@@ -217,3 +239,67 @@ def test_a_bad_stage_environment_is_refused_naming_the_variable(env, message):
     }
     with pytest.raises(BuilderError, match=message):
         fluidps.role_from_env(base | env)
+
+
+PSERVERS = ["127.0.0.1:7101", "127.0.0.1:7102"]
+
+
+def on_pservers(
+    stage: int, replica: int = 0, pserver: int | None = None, mode: str = "sync"
+) -> fluidps.RoleInfo:
+    """Replica `replica`'s process of stage `stage` (or, with `pserver`, that stage's pserver)
+    in a launched job of 2 replicas whose stages keep their parameters on PSERVERS."""
+    env = {
+        "PADDLE_TRAINERS_NUM": "2",
+        "FLUIDPS_STAGE": str(stage),
+        "PADDLE_PSERVERS_IP_PORT_LIST": ",".join(PSERVERS),
+        "FLUIDPS_MODE": mode,
+    }
+    if pserver is None:
+        env |= {"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": str(replica)}
+        env["FLUIDPS_STAGE_ENDPOINTS"] = "127.0.0.1:7001,127.0.0.1:7002"
+    else:
+        host, port = PSERVERS[pserver].split(":")
+        env |= {"TRAINING_ROLE": "PSERVER", "POD_IP": host, "PADDLE_PORT": port}
+    return fluidps.role_from_env(env)
+
+
+def test_a_replicas_stage_sends_its_summed_gradients_to_its_pservers_once_a_step():
+    main, startup, _, _ = staged_mlp({"num_microbatches": 2}, optimizer=adam())
+    mine = fluidps.transpile_for_role(on_pservers(1, replica=1), main, startup)
+    types = [op.type for op in mine.main.global_block().ops]
+    assert "adam" not in types and types.count("send_barrier") == 1 and types.count("fetch_barrier") == 1
+    plan = fluidps.transpiler.pipeline.stage_plan(mine.main, 1)
+    optimize = [op.type for op in plan.optimize.global_block().ops]
+    assert (
+        "send" in optimize and "recv" in optimize and "fill_constant" not in optimize
+    )  # (zeroed at each start)
+    sent = [n for op in plan.optimize.global_block().ops if op.type == "send" for n in op.input_arg_names]
+    assert sent and all("@GRAD@MERGED" in n for n in sent)
+    assert mine.main.pipeline.this_stage.stage == 1 and plan.forward.global_block().ops  # still a stage
+    assert {op.type for op in mine.startup.global_block().ops} <= {"recv", "fetch_barrier", "concat"}
+
+
+def test_a_stages_pserver_updates_that_stages_parameters_only():
+    main, startup, _, _ = staged_mlp({"num_microbatches": 2}, optimizer=adam())
+    updated = set()
+    for j in (0, 1):
+        mine = fluidps.transpile_for_role(on_pservers(0, pserver=j), main, startup)
+        (serve,) = mine.main.global_block().ops
+        assert serve.type == "listen_and_serv" and serve.attr("Fanin") == 2
+        updated |= {op.input("Param")[0].split(".block")[0] for b in mine.main.blocks[1:] for op in b.ops
+                    if op.type == "adam"}  # fmt: skip
+    stage0 = fluidps.PipelineTranspiler().transpile(main).stages[0].params
+    assert updated == set(stage0)
+
+
+def test_replicas_on_pservers_refuse_what_they_cannot_do_yet():
+    main, startup, _, _ = staged_mlp({"num_microbatches": 2})
+    config = fluidps.DistributeTranspilerConfig(mode="async")
+    with pytest.raises(UnsupportedError, match="sync mode only, not 'async'"):
+        fluidps.transpile_for_role(on_pservers(0, mode="async"), main, startup, config)
+    shared, shared_startup, _, _ = shared_weight_mlp(adam(), {"num_microbatches": 2})
+    with pytest.raises(
+        UnsupportedError, match="shared_w: a weight several stages read cannot live on pservers"
+    ):
+        fluidps.transpile_for_role(on_pservers(1), shared, shared_startup)

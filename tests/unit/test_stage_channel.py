@@ -76,11 +76,12 @@ def test_a_peer_cannot_make_a_stage_keep_values_without_bound(channel, monkeypat
 def test_a_stage_waiting_for_a_peer_that_is_gone_says_which_within_the_peer_timeout():
     context = zmq.Context()
     nobody = "tcp://127.0.0.1:9"  # (the discard port: nothing answers there)
-    settings = RpcSettings(heartbeat_interval=0.05, peer_timeout=1.0)
+    settings = RpcSettings(heartbeat_interval=0.05, peer_timeout=1.0, warmup_timeout=1.5)
     channel = RemoteStageChannel(1, [nobody, "tcp://127.0.0.1:2"], settings, context, micro_batches=1)
     try:
         with pytest.raises(
-            Error, match=r"stage 1 waited for 'h' \(step 0, micro-batch 0\) from stage 0, which stopped"
+            Error,
+            match=r"stage 1 waited for 'h' \(step 0, micro-batch 0\) from stage 0, which never answered",
         ):
             channel.recv(0, "h")
     finally:
