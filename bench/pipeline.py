@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"note": f"{CORES} cores; each stage a process with one thread; local with one thread"}))
     before = local_rate(args)
     rows = []
+    gemm_costs = {m: gemm_cost(args, m) for m in (int(v) for v in args.microbatches.split(","))}
     for schedule_mode in args.schedules.split(","):
         for m in (int(v) for v in args.microbatches.split(",")):
             steps_per_s, loss, memory = pipeline_rate(args, m, schedule_mode)
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
                     "samples_per_s": round(steps_per_s * args.batch, 1), "ideal": round(ideal, 3),
                     "loss": round(loss, 4), "threads_per_stage": 1, **common,
                     "one_process_samples_per_s": round(one_process * args.batch, 1),
-                    "gemm_cost": round(gemm_cost(args, m), 3),
+                    "gemm_cost": round(gemm_costs[m], 3),
                     "stages_memory": memory,
                 }
             )  # fmt: skip

@@ -80,7 +80,7 @@ def train_stage(epochs: int, batch_size: int = 64, seed: int = 0, out: Path | No
         exe.run(mine.main)
         return
     x_train, _, y_train, _ = load_data(seed)
-    last = role.stage == mine.plan.num_stages - 1  # the stage that computes the loss
+    last = mine.plan.owner(loss.name) == role.stage  # this stage computes the loss
     replica = slice(role.trainer_id * batch_size, (role.trainer_id + 1) * batch_size)
     try:
         exe.run(mine.startup)  # this stage's parameters only (from its pservers, if it has some)

@@ -83,22 +83,8 @@ def job_environments(
     """(name, environment) of every process: the pservers, then the trainers. `extra`
     goes to every one of them (a dataset job's coordinator and checkpoint settings), and
     so does the job's `secret` (a new one unless given: transport.proof)."""
-    env = dict(os.environ if base is None else base)
-    for var in CONTRACT_VARS:  # a launcher run inside a job must not pass its own role on
-        env.pop(var, None)
-    env.update(
-        PADDLE_TRAINERS_NUM=str(trainers),
-        PADDLE_PSERVERS_IP_PORT_LIST=",".join(format_endpoint(host, p) for p in ports),
-        FLUIDPS_MODE=mode,
-        PYTHONUNBUFFERED="1",  # lines show up as they are printed, not when a buffer fills
-        FLUIDPS_STACKS_ON_SIGUSR1="1",  # kill -USR1 shows where a process waits
-        **{SECRET_ENV: (secret or JobSecret.generate()).hex()},
-        **(extra or {}),
-    )
-    # Each process gets its share of the cores unless the user set thread counts.
-    share = max((os.cpu_count() or 1) // (len(ports) + trainers), 1)
-    for name, value in thread_limits(share).items():
-        env.setdefault(name, value)
+    env = _common_environment(base, len(ports) + trainers, trainers, mode, secret, extra)
+    env["PADDLE_PSERVERS_IP_PORT_LIST"] = ",".join(format_endpoint(host, p) for p in ports)
     # Every trainer's incarnation, known to the pservers before any trainer speaks: no
     # other process can claim a trainer id (fluidps.executor.ps.membership).
     incarnations = [new_incarnation() for _ in range(trainers)]
@@ -112,6 +98,33 @@ def job_environments(
         for i in range(trainers)
     ]
     return jobs
+
+
+def _common_environment(
+    base: Mapping[str, str] | None,
+    processes: int,
+    trainers: int,
+    mode: str,
+    secret: JobSecret | None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """What every process of a job of `processes` gets, whatever its role."""
+    env = dict(os.environ if base is None else base)
+    for var in CONTRACT_VARS:  # a launcher run inside a job must not pass its own role on
+        env.pop(var, None)
+    env.update(
+        PADDLE_TRAINERS_NUM=str(trainers),
+        FLUIDPS_MODE=mode,
+        PYTHONUNBUFFERED="1",  # lines show up as they are printed, not when a buffer fills
+        FLUIDPS_STACKS_ON_SIGUSR1="1",  # kill -USR1 shows where a process waits
+        **{SECRET_ENV: (secret or JobSecret.generate()).hex()},
+        **(extra or {}),
+    )
+    # Each process gets its share of the cores unless the user set thread counts.
+    share = max((os.cpu_count() or 1) // processes, 1)
+    for name, value in thread_limits(share).items():
+        env.setdefault(name, value)
+    return env
 
 
 def stage_environments(
@@ -135,19 +148,7 @@ def stage_environments(
         )
     stages = len(ports) // replicas
     per_stage = len(pserver_ports) // stages
-    env = dict(os.environ if base is None else base)
-    for var in CONTRACT_VARS:
-        env.pop(var, None)
-    env.update(
-        PADDLE_TRAINERS_NUM=str(replicas),
-        FLUIDPS_MODE=mode,
-        PYTHONUNBUFFERED="1",
-        FLUIDPS_STACKS_ON_SIGUSR1="1",
-        **{SECRET_ENV: (secret or JobSecret.generate()).hex()},
-    )
-    share = max((os.cpu_count() or 1) // (len(ports) + len(pserver_ports)), 1)
-    for name, value in thread_limits(share).items():
-        env.setdefault(name, value)
+    env = _common_environment(base, len(ports) + len(pserver_ports), replicas, mode, secret)
     incarnations = [[new_incarnation() for _ in range(stages)] for _ in range(replicas)]
     jobs = []
     for k in range(stages):
@@ -472,10 +473,12 @@ class Launcher:
                 f"{self.trainers} trainer(s), mode {self.mode}"
             )
         if self.cores is not None:
-            names = [f"pserver.{k}" for k in range(self.pservers if not self.stages else 0)] + [
-                f"trainer.{i}" for i in range(self.trainers if not self.stages else 0)
-            ]
-            names += [f"stage.{k}" for k in range(self.stages)]
+            if self.stages:
+                names = [f"stage.{k}" for k in range(self.stages)]
+            else:
+                names = [f"pserver.{k}" for k in range(self.pservers)] + [
+                    f"trainer.{i}" for i in range(self.trainers)
+                ]
             bound = ", ".join(f"{n} on core {core_of(n, self.pservers, self.cores)}" for n in names)
             shared = " (more processes than cores: some share one)" if len(names) > len(self.cores) else ""
             text += f"; bound: {bound}{shared}"
@@ -516,9 +519,9 @@ class Launcher:
 
 
 def core_of(name: str, pservers: int, cores: Sequence[int]) -> int | None:
-    """The core process `name` is bound to: the job's pservers, then its trainers, take
-    `cores` in turn (round-robin past the last). Other processes (a coordinator) are not
-    bound."""
+    """The core process `name` is bound to: the job's pservers, then its trainers (or a
+    pipeline's stages, "stage.k"), take `cores` in turn (round-robin past the last). Other
+    processes (a coordinator, a replicated pipeline's "stage.k.r") are not bound."""
     role, _, index = name.partition(".")
     if role not in ("pserver", "trainer", "stage") or not index.isdigit():
         return None
