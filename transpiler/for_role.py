@@ -142,6 +142,12 @@ def _stage_programs(
             f"the program has stages 0..{plan.num_stages - 1}, not {role.stage} (FLUIDPS_STAGE)"
         )
     check_shared_seeds(startup_program, plan)
+    if role.stage < plan.num_stages - 1 and not plan.receives(role.stage, "backward"):
+        # (a client keeps a RemoteExecutor's stages in step; launched, only their messages do)
+        raise UnsupportedError(
+            f"stage {role.stage} gets no gradient back from the stages after it (it trains nothing): launched, "
+            "it would run ahead of them without bound; place its ops on the next stage"
+        )
     if role.is_pserver or role.pserver_endpoints:  # the stage's parameters live on pservers
         return _stage_on_pservers(role, plan, startup_program, config)
     if role.trainers > 1:

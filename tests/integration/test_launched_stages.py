@@ -303,3 +303,17 @@ def test_replicas_on_pservers_refuse_what_they_cannot_do_yet():
         UnsupportedError, match="shared_w: a weight several stages read cannot live on pservers"
     ):
         fluidps.transpile_for_role(on_pservers(1), shared, shared_startup)
+
+
+def test_a_stage_that_trains_nothing_before_others_is_refused_rather_than_left_to_run_ahead():
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = fluidps.layers.data("x", [16])
+        y = fluidps.layers.data("y", [1], dtype="int64")
+        with fluidps.device_guard("stage:0"):
+            h = fluidps.layers.scale(x, 2.0)  # no parameter: nothing comes back to stage 0
+        with fluidps.device_guard("stage:1"):
+            loss = fluidps.layers.mean(fluidps.layers.softmax_with_cross_entropy(fluidps.layers.fc(h, 5), y))
+        fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.SGD(0.1), num_microbatches=2).minimize(loss)
+    with pytest.raises(UnsupportedError, match="stage 0 gets no gradient back from the stages after it"):
+        fluidps.transpile_for_role(stage_role(0, endpoints(2)), main, startup)
