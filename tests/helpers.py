@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -166,3 +167,16 @@ def shared_weight_mlp(optimizer, pipeline: dict | None):
         else:
             fluidps.optimizer.PipelineOptimizer(optimizer, **pipeline).minimize(loss)
     return main, startup, loss, logits
+
+
+def read(path: Path) -> str:
+    """A process's output file as it is now ("" before it exists)."""
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    """Poll `condition` until it holds; fail the test after `timeout` seconds, saying `what`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting until {what}"
+        time.sleep(0.05)

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ import fluidps
 from fluidps.endpoints import pick_free_ports
 from fluidps.errors import BuilderError
 from fluidps.executor.launch.launcher import Launcher, stage_environments
+from helpers import read, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,17 +91,6 @@ def test_replicas_of_a_launched_pipeline_train_as_local_training_on_their_joined
             assert saved.files, f"stage {k} saved nothing"
             for name in saved.files:  # Adam over float32 sums in another order: 1e-4
                 np.testing.assert_allclose(saved[name], exe.scope[name], rtol=1e-4, atol=1e-6, err_msg=name)
-
-
-def read(path: Path) -> str:
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting until {what}"
-        time.sleep(0.05)
 
 
 def test_a_killed_stage_fails_the_other_naming_it_within_the_peer_timeout(tmp_path):

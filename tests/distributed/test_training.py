@@ -29,6 +29,7 @@ import pytest
 import fluidps
 from fluidps.endpoints import pick_free_ports
 from fluidps.executor.launch.launcher import Launcher, job_environments
+from helpers import read, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -290,17 +291,6 @@ def test_ssp_never_lets_the_fast_trainer_past_the_staleness_bound(ssp_run):
 
 
 # -- a pserver dies ------------------------------------------------------------------------
-
-
-def read(path: Path) -> str:
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting until {what}"
-        time.sleep(0.05)
 
 
 def test_killed_pserver_fails_the_trainers_naming_it(tmp_path):
