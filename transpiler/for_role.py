@@ -19,13 +19,9 @@ from fluidps.ir.devices import StageEndpoints
 from fluidps.ir.program import Program
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
-from fluidps.transpiler.pipeline import (
-    PipelineTranspiler,
-    check_shared_seeds,
-    stage_startup,
-    without_gradient_zeroing,
-)
+from fluidps.transpiler.pipeline import PipelineTranspiler, check_shared_seeds, stage_startup
 from fluidps.transpiler.pipeline_plan import PipelinePlan
+from fluidps.transpiler.pipeline_replicas import stage_on_pservers
 from fluidps.transpiler.plan import DistributedPlan
 
 
@@ -163,36 +159,16 @@ def _stage_programs(
 def _stage_on_pservers(
     role: ProcessRole, plan: PipelinePlan, startup_program: Program, config: DistributeTranspilerConfig
 ) -> RolePrograms:
-    """Stage `role.stage`'s parameters on its pservers, as a sync job whose trainers are the
-    replicas' processes of that stage: each sends its gradients summed over the step's
-    micro-batches, the pservers average them over the replicas and update."""
-    k = role.stage
-    if config.mode != "sync":
-        raise UnsupportedError(
-            f"replicas of a pipeline keep their parameters in step in sync mode only, not {config.mode!r}"
-        )
-    shared = sorted({c.var for c in plan.crossings if c.phase == "optimize" and k in (c.src, c.dst)})
-    if shared:
-        raise UnsupportedError(
-            f"{', '.join(shared)}: a weight several stages read cannot live on pservers yet; give each stage "
-            "its own weights, or run one replica without pservers"
-        )
-    section = without_gradient_zeroing(plan.stages[k].program)  # (each step's start zeroes the sums)
-    transpiler = DistributeTranspiler(config)
-    transpiler.transpile(
-        role.trainer_id,
-        section,
-        pservers=role.pserver_endpoints,
-        trainers=role.trainers,
-        startup_program=stage_startup(startup_program, plan, k),
+    pservers = stage_on_pservers(
+        plan, role.stage, role.trainer_id, role.trainers, role.pserver_endpoints, startup_program, config
     )
     if role.is_pserver:
         if role.current_endpoint is None:
             raise BuilderError("a pserver's role needs its own endpoint (current_endpoint)")
-        return RolePrograms(*transpiler.get_pserver_programs(role.current_endpoint), plan)
-    trainer = transpiler.get_trainer_program()
+        return RolePrograms(*pservers.get_pserver_programs(role.current_endpoint), plan)
+    trainer = pservers.get_trainer_program()
     trainer.pipeline = replace(plan.config, this_stage=_this_stage(role, plan))
-    return RolePrograms(trainer, transpiler.get_trainer_startup_program(), plan)
+    return RolePrograms(trainer, pservers.get_trainer_startup_program(), plan)
 
 
 def _this_stage(role: ProcessRole, plan: PipelinePlan) -> StageEndpoints:

@@ -145,7 +145,7 @@ class RemoteExecutor:
         if self._pipeline is None:
             try:
                 self._pipeline = PipelineJob.deploy(
-                    self._cluster, program, self._startup, self._local.scope, self.job.trainers
+                    self._cluster, program, self._startup, self._local.scope, self.job
                 )
             except Error as e:
                 self._failed = f"deploying the pipeline: {e}"

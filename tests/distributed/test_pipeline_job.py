@@ -112,6 +112,40 @@ def test_weights_shared_by_two_stage_processes_stay_one_value():
     np.testing.assert_allclose(weights[0], local.scope["shared_w"], rtol=1e-5, atol=1e-6)
 
 
+def test_two_replicas_of_a_pipeline_train_as_local_training_on_their_joined_batches():
+    """JobDesc(trainers=2): two replicas of the two stages, each stage's parameters on a
+    pserver of its own, averaging the replicas' gradients; fed the joined batch, split."""
+    adam = fluidps.optimizer.Adam(0.01)
+    pm, ps, pl, plog = model({"num_microbatches": 2}, optimizer=adam)
+    lm, ls, ll, llog = model(None, optimizer=fluidps.optimizer.Adam(0.01))
+    local = fluidps.Executor()
+    local.run(ls)
+    feeds = batches(5)  # (each batch of 8: 4 rows a replica, 2 a micro-batch)
+    want = [local.run(lm, feed=b, fetch_list=[ll, llog]) for b in feeds]
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=2, trainers=2)) as exe:
+        exe.run(ps)
+        got = [exe.run(pm, feed=b, fetch_list=[pl, plog]) for b in feeds]
+        trained = {name: exe.scope[name] for name in params(pm)}
+        pids = exe.server_pids
+        with pytest.raises(fluidps.UnsupportedError, match="live on their stages' pservers"):
+            exe.scope["fc_0.w_0"] = trained["fc_0.w_0"]
+    assert sorted(n for n in pids if n.startswith("stage.")) == [f"stage.{i}" for i in range(4)]
+    for (loss, logits), (want_loss, want_logits) in zip(got, want, strict=True):
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-4)  # (Adam: float32 sums in another order)
+        assert logits.shape == (BATCH, 5)  # the replicas' rows joined
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-5)
+    for name, value in trained.items():
+        np.testing.assert_allclose(value, local.scope[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_replicas_of_a_pipeline_need_a_pserver_per_stage():
+    pm, ps, pl, _ = model({"num_microbatches": 2})
+    with fluidps.RemoteExecutor(fluidps.JobDesc(pservers=1, trainers=2)) as exe:
+        exe.run(ps)
+        with pytest.raises(fluidps.ExecutionError, match=r"JobDesc\(pservers=1\) .* ask for at least 2"):
+            exe.run(pm, feed=batches(1)[0], fetch_list=[pl])
+
+
 def test_a_stage_that_dies_fails_the_step_naming_it_within_the_peer_timeout():
     pm, ps, pl, _ = model({"num_microbatches": 2})
     feeds = batches(3)
