@@ -180,3 +180,29 @@ def wait_until(condition, timeout: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting until {what}"
         time.sleep(0.05)
+
+
+def staged_conv_net(optimizer, pipeline: dict | None):
+    """A conv + max-pool stage, then an fc classifier stage, on 1x8x8 images, 5 classes;
+    minimized with PipelineOptimizer(optimizer, **pipeline), or plainly (and with no stages)
+    when `pipeline` is None. Returns (main, startup, loss, logits)."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 2
+
+    def on(stage: int):
+        return fluidps.device_guard(f"stage:{stage}" if pipeline is not None else None)
+
+    with fluidps.program_guard(main, startup):
+        img = layers.data("img", [1, 8, 8])
+        y = layers.data("y", [1], dtype="int64")
+        with on(0):
+            c = layers.conv2d(img, 4, 3, padding=1, act="relu")
+            c = layers.pool2d(c, 2, pool_type="max", pool_stride=2)
+        with on(1):
+            logits = layers.fc(c, 5)
+            loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
+        if pipeline is None:
+            optimizer.minimize(loss)
+        else:
+            fluidps.optimizer.PipelineOptimizer(optimizer, **pipeline).minimize(loss)
+    return main, startup, loss, logits

@@ -13,7 +13,7 @@ import pytest
 
 import fluidps
 from fluidps import layers
-from helpers import staged_mlp
+from helpers import staged_conv_net, staged_mlp
 
 BATCH = 8
 
@@ -74,6 +74,29 @@ def test_a_pipeline_job_trains_as_the_whole_batch_does_locally(stages, m, schedu
         np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-5)
     for name, value in zip(params(pm), trained, strict=True):
         np.testing.assert_allclose(value, local.scope[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(("m", "schedule_mode"), [(8, "F-then-B"), (2, "1F1B")])
+def test_a_conv_net_job_with_adam_has_the_losses_of_whole_batch_training(m, schedule_mode):
+    pm, ps, pl, _ = staged_conv_net(
+        fluidps.optimizer.Adam(0.01), {"num_microbatches": m, "schedule_mode": schedule_mode}
+    )
+    lm, ls, ll, _ = staged_conv_net(fluidps.optimizer.Adam(0.01), None)
+    local = fluidps.Executor()
+    local.run(ls)
+    rng = np.random.default_rng(1)
+    feeds = [
+        {
+            "img": rng.normal(size=(BATCH, 1, 8, 8)).astype("float32"),
+            "y": rng.integers(0, 5, (BATCH, 1)).astype("int64"),
+        }
+        for _ in range(20)
+    ]
+    want = [local.run(lm, feed=b, fetch_list=[ll])[0] for b in feeds]
+    with fluidps.RemoteExecutor(fluidps.JobDesc()) as exe:
+        exe.run(ps)
+        got = [exe.run(pm, feed=b, fetch_list=[pl])[0] for b in feeds]
+    np.testing.assert_allclose(got, want, rtol=1e-4)  # (Adam: float32 sums in another order)
 
 
 def test_weights_shared_by_two_stage_processes_stay_one_value():

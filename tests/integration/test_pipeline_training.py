@@ -8,45 +8,18 @@ import numpy as np
 import pytest
 
 import fluidps
-from fluidps import layers
 from fluidps.executor.compiler import Compiler, ModuleCache
 from helpers import shared_weight_mlp as shared_weights
+from helpers import staged_conv_net as conv_net
 from helpers import staged_mlp
 
 STEPS = 20
 BATCH = 8
 
 
-def _minimize(loss, optimizer, pipeline: dict | None) -> None:
-    if pipeline is None:
-        optimizer.minimize(loss)
-    else:
-        fluidps.optimizer.PipelineOptimizer(optimizer, **pipeline).minimize(loss)
-
-
-def _guard(pipeline: dict | None, stage: int):
-    return fluidps.device_guard(f"stage:{stage}" if pipeline is not None else None)
-
-
 def mlp(optimizer, pipeline: dict | None, stages: int = 2):
     """Four hidden layers of 32 spread over `stages`, then the classifier on the last."""
     return staged_mlp(pipeline, stages, optimizer)
-
-
-def conv_net(optimizer, pipeline: dict | None):
-    main, startup = fluidps.Program(), fluidps.Program()
-    startup.random_seed = 2
-    with fluidps.program_guard(main, startup):
-        img = layers.data("img", [1, 8, 8])
-        y = layers.data("y", [1], dtype="int64")
-        with _guard(pipeline, 0):
-            c = layers.conv2d(img, 4, 3, padding=1, act="relu")
-            c = layers.pool2d(c, 2, pool_type="max", pool_stride=2)
-        with _guard(pipeline, 1):
-            logits = layers.fc(c, 5)
-            loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
-        _minimize(loss, optimizer, pipeline)
-    return main, startup, loss, logits
 
 
 def batches(kind: str, seed: int = 0) -> list[dict[str, np.ndarray]]:
