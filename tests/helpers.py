@@ -120,25 +120,17 @@ def staged_mlp(pipeline: dict | None, stages: int = 2, optimizer=None, seed: int
     no stages) when `pipeline` is None. Returns (main, startup, loss, logits)."""
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = seed
-
-    def on(stage: int):
-        return fluidps.device_guard(f"stage:{stage}" if pipeline is not None else None)
-
     with fluidps.program_guard(main, startup):
         x = layers.data("x", [16])
         y = layers.data("y", [1], dtype="int64")
         h = x
         for i in range(4):
-            with on(i * stages // 4):
+            with _on(pipeline, i * stages // 4):
                 h = layers.fc(h, 32, act="relu")
-        with on(stages - 1):
+        with _on(pipeline, stages - 1):
             logits = layers.fc(h, 5)
             loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
-        inner = optimizer or fluidps.optimizer.SGD(0.1)
-        if pipeline is None:
-            inner.minimize(loss)
-        else:
-            fluidps.optimizer.PipelineOptimizer(inner, **pipeline).minimize(loss)
+        _minimize(loss, optimizer or fluidps.optimizer.SGD(0.1), pipeline)
     return main, startup, loss, logits
 
 
@@ -148,24 +140,17 @@ def shared_weight_mlp(optimizer, pipeline: dict | None):
     no stages) when `pipeline` is None. Returns (main, startup, loss, logits)."""
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = 3
-
-    def on(stage: int):
-        return fluidps.device_guard(f"stage:{stage}" if pipeline is not None else None)
-
     with fluidps.program_guard(main, startup):
         x = layers.data("x", [16])
         y = layers.data("y", [1], dtype="int64")
         shared = fluidps.ParamAttr(name="shared_w")
-        with on(0):
+        with _on(pipeline, 0):
             h = layers.fc(x, 16, act="tanh", param_attr=shared)
-        with on(1):
+        with _on(pipeline, 1):
             h = layers.fc(h, 16, act="tanh", param_attr=shared)
             logits = layers.fc(h, 5)
             loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
-        if pipeline is None:
-            optimizer.minimize(loss)
-        else:
-            fluidps.optimizer.PipelineOptimizer(optimizer, **pipeline).minimize(loss)
+        _minimize(loss, optimizer, pipeline)
     return main, startup, loss, logits
 
 
@@ -188,21 +173,26 @@ def staged_conv_net(optimizer, pipeline: dict | None):
     when `pipeline` is None. Returns (main, startup, loss, logits)."""
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = 2
-
-    def on(stage: int):
-        return fluidps.device_guard(f"stage:{stage}" if pipeline is not None else None)
-
     with fluidps.program_guard(main, startup):
         img = layers.data("img", [1, 8, 8])
         y = layers.data("y", [1], dtype="int64")
-        with on(0):
+        with _on(pipeline, 0):
             c = layers.conv2d(img, 4, 3, padding=1, act="relu")
             c = layers.pool2d(c, 2, pool_type="max", pool_stride=2)
-        with on(1):
+        with _on(pipeline, 1):
             logits = layers.fc(c, 5)
             loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
-        if pipeline is None:
-            optimizer.minimize(loss)
-        else:
-            fluidps.optimizer.PipelineOptimizer(optimizer, **pipeline).minimize(loss)
+        _minimize(loss, optimizer, pipeline)
     return main, startup, loss, logits
+
+
+def _on(pipeline: dict | None, stage: int):
+    """device_guard of pipeline stage `stage`, or of no stage for the plain program."""
+    return fluidps.device_guard(f"stage:{stage}" if pipeline is not None else None)
+
+
+def _minimize(loss, optimizer, pipeline: dict | None) -> None:
+    if pipeline is None:
+        optimizer.minimize(loss)
+    else:
+        fluidps.optimizer.PipelineOptimizer(optimizer, **pipeline).minimize(loss)

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import fluidps
-from fluidps import layers
-from helpers import staged_conv_net, staged_mlp
+from helpers import shared_weight_mlp, staged_conv_net, staged_mlp
 
 BATCH = 8
 
@@ -102,27 +101,8 @@ def test_a_conv_net_job_with_adam_has_the_losses_of_whole_batch_training(m, sche
 def test_weights_shared_by_two_stage_processes_stay_one_value():
     """The stage that updates a weight another stage reads hands it the new value each step."""
 
-    def shared(pipeline):
-        main, startup = fluidps.Program(), fluidps.Program()
-        startup.random_seed = 3
-        with fluidps.program_guard(main, startup):
-            x = layers.data("x", [16])
-            y = layers.data("y", [1], dtype="int64")
-            weights = fluidps.ParamAttr(name="shared_w")
-            with fluidps.device_guard("stage:0" if pipeline else None):
-                h = layers.fc(x, 16, act="tanh", param_attr=weights)
-            with fluidps.device_guard("stage:1" if pipeline else None):
-                h = layers.fc(h, 16, act="tanh", param_attr=weights)
-                loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 5), y))
-            inner = fluidps.optimizer.SGD(0.1)
-            if pipeline:
-                fluidps.optimizer.PipelineOptimizer(inner, num_microbatches=2).minimize(loss)
-            else:
-                inner.minimize(loss)
-        return main, startup, loss
-
-    pm, ps, pl = shared(True)
-    lm, ls, ll = shared(False)
+    pm, ps, pl, _ = shared_weight_mlp(fluidps.optimizer.SGD(0.1), {"num_microbatches": 2})
+    lm, ls, ll, _ = shared_weight_mlp(fluidps.optimizer.SGD(0.1), None)
     local = fluidps.Executor()
     local.run(ls)
     feeds = batches(5)
