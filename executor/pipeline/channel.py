@@ -54,6 +54,7 @@ class RemoteStageChannel:
         # Peers that answered once: until then a peer may still be starting (a launched stage
         # binds its endpoint at its first step), and gets the warm-up allowance, not the timeout.
         self._answered: set[int] = set()
+        self.deaf: str | None = None  # why whoever delivers the peers' values stopped (see stop_hearing)
 
     # -- the serving loop's side ---------------------------------------------------------
 
@@ -100,6 +101,12 @@ class RemoteStageChannel:
         """Wait until every value sent was taken by its peer (the end of a step)."""
         self._collect(wait=True)
 
+    def stop_hearing(self, reason: str) -> None:
+        """What delivers the peers' values failed: a stage waiting for one is told at once."""
+        with self._arrived:
+            self.deaf = reason
+            self._arrived.notify_all()
+
     def next_step(self) -> None:
         """This stage's step is done (flushed): take the next step's values."""
         with self._arrived:
@@ -133,11 +140,16 @@ class RemoteStageChannel:
         while True:
             with self._arrived:
                 if key in self._mail or self._arrived.wait_for(
-                    lambda: key in self._mail, self._settings.heartbeat_interval
+                    lambda: key in self._mail or self.deaf is not None, self._settings.heartbeat_interval
                 ):
-                    if probe is not None:
-                        client.forget(probe)
-                    return self._mail.pop(key)
+                    if key in self._mail:
+                        if probe is not None:
+                            client.forget(probe)
+                        return self._mail.pop(key)
+                    raise ExecutionError(
+                        f"stage {self.stage} waited for {name!r} from stage {peer}, but it no longer hears its "
+                        f"peers: {self.deaf}"
+                    )
             client = client or self._client(peer)
             if probe is None:
                 client.begin_wait()

@@ -63,8 +63,9 @@ class StageServer:
                             raise Error(f"takes HELLO and STAGE_SEND messages, not {msg.kind_name}")
                     except Error as e:
                         self._server.error(request, str(e))  # (the peer's error names this stage)
-        except Exception as e:  # (a socket failing under it): the stage's next step says so
-            self.failure = f"{type(e).__name__}: {e}"
+        except Exception as e:  # (a socket failing under it): a waiting step, or the next, says so
+            self.failure = f"its server stopped: {type(e).__name__}: {e}"
+            self._channel.stop_hearing(self.failure)
         finally:
             self._server.close(linger_s=LINGER_S)
 

@@ -4,6 +4,8 @@ micro-batches, and a bounded number of them."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import zmq
@@ -87,3 +89,11 @@ def test_a_stage_waiting_for_a_peer_that_is_gone_says_which_within_the_peer_time
     finally:
         channel.close()
         context.term()
+
+
+def test_a_stage_waiting_for_a_value_hears_at_once_that_its_server_stopped(channel):
+    threading.Timer(0.2, channel.stop_hearing, args=("its server stopped: ZMQError: boom",)).start()
+    with pytest.raises(
+        Error, match=r"stage 1 waited for 'h' from stage 0, but it no longer hears its peers: .*boom"
+    ):
+        channel.recv(0, "h")
