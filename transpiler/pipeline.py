@@ -15,8 +15,11 @@ their order, and what makes the stages one model:
 - the loss gradient's seed is 1 / m: the m micro-batches' gradients add up to
   the mini-batch's;
 - each parameter's gradient is added into `<grad>@MERGED` after each
-  micro-batch's backward; the update ops read that, once a mini-batch, and then
-  zero it.
+  micro-batch's backward; the update ops read that, once a mini-batch. Whatever
+  runs the stage zeroes the sums at each step's start (StagePlan.accumulators:
+  fluidps.executor.pipeline's StageRunner), so that a failed step leaves nothing
+  half summed and a stage whose parameters live on pservers needs no update of
+  its own to zero them.
 
 The input program is never changed; the plan holds copies.
 """
@@ -147,7 +150,7 @@ def _stage_plan(
             ordered += _accumulate(block, stage, updates, owners)
         ordered += [comm(kind, c, True) for c in crossings if c.src == stage and c.phase == kind]
     ordered += [comm("optimize", c, False) for c in crossings if c.dst == stage and c.phase == "optimize"]
-    ordered += _merged_updates(block, mine["optimize"], stage, updates, owners)
+    ordered += _merged_updates(mine["optimize"], stage, updates, owners)
     ordered += [comm("optimize", c, True) for c in crossings if c.src == stage and c.phase == "optimize"]
     block.ops = ordered
     _drop_unused_vars(block)
@@ -163,20 +166,6 @@ def stage_startup(startup: Program, plan: PipelinePlan, stage: int) -> Program:
     program = startup.clone()
     block = program.global_block()
     block.ops = [op for op in block.ops if set(op.output_arg_names) & mine]
-    return program
-
-
-def without_gradient_zeroing(section: Program) -> Program:
-    """A copy of a stage's section program without the ops that zero its gradient sums
-    after the update (a stage whose parameters live on pservers sends the sums once a
-    step after its last micro-batch; StageRunner zeroes them at each step's start)."""
-    program = section.clone()
-    block = program.global_block()
-    block.ops = [
-        op
-        for op in block.ops
-        if not (op.type == "fill_constant" and all(n.endswith(MERGED_SUFFIX) for n in op.output_arg_names))
-    ]
     return program
 
 
@@ -255,25 +244,15 @@ def _accumulate(
 
 
 def _merged_updates(
-    block: Block, optimize: list[Operator], stage: int, updates: Sequence[ParamUpdate], owners: dict[str, int]
+    optimize: list[Operator], stage: int, updates: Sequence[ParamUpdate], owners: dict[str, int]
 ) -> list[Operator]:
-    """The update ops read the gradients summed over the micro-batches, then zero them."""
+    """The update ops read the gradients summed over the micro-batches."""
     grads = [u.grad for u in updates if owners[u.param] == stage]
     for op in optimize:
         for grad in grads:
             if grad in op.input_arg_names:
                 op.rename_input(grad, grad + MERGED_SUFFIX)
-    zeros = []
-    for grad in grads:
-        var = block.var(grad + MERGED_SUFFIX)
-        attrs = {
-            "shape": list(var.shape),
-            "dtype": int(var.dtype),
-            "value": 0.0,
-            OP_ROLE_ATTR: int(OpRole.Optimize),
-        }
-        zeros.append(REGISTRY.append_op(block, "fill_constant", {}, {"Out": [var.name]}, attrs))
-    return optimize + zeros
+    return optimize
 
 
 def _phase_program(section: Program, kind: str) -> Program:

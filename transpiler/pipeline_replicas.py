@@ -2,8 +2,7 @@
 their stages in step.
 
 Replica r's process of stage k is trainer r of a sync parameter-server job of stage k's
-own: its section program, without the ops that zero the gradient sums after the update,
-goes through DistributeTranspiler, so that once a step, after its last micro-batch, it
+own: its section program goes through DistributeTranspiler, so that once a step, after its last micro-batch, it
 sends the sums (x@GRAD@MERGED) to the stage's pservers and receives the parameters they
 updated with the replicas' average. The pservers of different stages are apart: a
 pserver's optimize blocks sum exactly its trainers' gradients, and each stage's trainers
@@ -18,7 +17,7 @@ from fluidps.errors import UnsupportedError
 from fluidps.ir.program import Program
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.distribute import DistributeTranspiler
-from fluidps.transpiler.pipeline import stage_startup, without_gradient_zeroing
+from fluidps.transpiler.pipeline import stage_startup
 from fluidps.transpiler.pipeline_plan import PipelinePlan
 
 
@@ -45,11 +44,10 @@ def stage_on_pservers(
             f"{', '.join(shared)}: a weight several stages read cannot live on pservers yet; give each stage "
             "its own weights, or run one replica without pservers"
         )
-    section = without_gradient_zeroing(plan.stages[stage].program)  # (each step's start zeroes the sums)
     transpiler = DistributeTranspiler(config)
     transpiler.transpile(
         replica,
-        section,
+        plan.stages[stage].program,  # (StageRunner zeroes its sums at each step's start)
         pservers=list(pservers),
         trainers=replicas,
         startup_program=stage_startup(startup, plan, stage),
