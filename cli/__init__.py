@@ -1,5 +1,5 @@
-"""The `fluidps` command line: inspect, dot, transpile, launch, serve, keys, secret, data,
-checkpoint, k8s.
+"""The `fluidps` command line: inspect, dot, transpile, place, calibrate, launch, serve,
+keys, secret, data, checkpoint, k8s.
 
 Every command turns bad input into one line on stderr and exit status 2;
 a check that finds problems exits with 1.
@@ -15,6 +15,7 @@ from fluidps.cli.checkpoint_cmd import checkpoint
 from fluidps.cli.data_cmd import data
 from fluidps.cli.k8s_cmd import k8s
 from fluidps.cli.launch_cmd import launch
+from fluidps.cli.place_cmd import calibrate, place
 from fluidps.cli.program_cmds import dot, inspect
 from fluidps.cli.serve_cmd import keys, secret, serve
 from fluidps.cli.transpile_cmd import transpile
@@ -29,6 +30,8 @@ def main() -> None:
 main.add_command(inspect)
 main.add_command(dot)
 main.add_command(transpile)
+main.add_command(place)
+main.add_command(calibrate)
 main.add_command(launch)
 main.add_command(serve)
 main.add_command(keys)

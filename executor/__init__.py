@@ -18,7 +18,7 @@ tests/unit/test_layering.py holds the code to it:
 - pipeline/   pipeline programs' stages on a schedule (model parallelism)
 
 May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops, fluidps.transpiler.config,
-fluidps.transpiler.pipeline, fluidps.executor.compiler, fluidps.executor.pipeline, fluidps.executor.transport, fluidps.executor.ps, fluidps.executor.tasks,
+fluidps.transpiler.pipeline, fluidps.transpiler.cost_model, fluidps.executor.compiler, fluidps.executor.pipeline, fluidps.executor.transport, fluidps.executor.ps, fluidps.executor.tasks,
 fluidps.profiling
 """
 

@@ -66,7 +66,8 @@ def phase(op: Operator) -> str:
     return "backward" if role & OpRole.Backward else "forward"
 
 
-def _explicit(op: Operator, index: int) -> int | None:
+def explicit_stage(op: Operator, index: int) -> int | None:
+    """The stage `op` (op #`index`) names in its op_device, or None."""
     device = op.attr(OP_DEVICE_ATTR) if op.has_attr(OP_DEVICE_ATTR) else ""
     return parse_device(device, f"op #{index} ({op.type}) op_device")
 
@@ -93,7 +94,7 @@ def assign_stages(program: Program, num_stages: int | None = None) -> StageMap:
     forward = [i for i, op in enumerate(ops) if phase(op) == "forward"]
     for i in forward:  # explicit, else from the latest input made on a stage
         made = [maker[n] for n in _names(ops[i].input_arg_names) if n in maker]
-        stages[i] = _explicit(ops[i], i)
+        stages[i] = explicit_stage(ops[i], i)
         if stages[i] is None and made:
             stages[i] = max(made)
         if stages[i] is not None:
@@ -118,7 +119,7 @@ def assign_stages(program: Program, num_stages: int | None = None) -> StageMap:
     for i, op in enumerate(ops):
         kind = phase(op)
         if kind == "backward":
-            stages[i] = _explicit(op, i)
+            stages[i] = explicit_stage(op, i)
             if stages[i] is None:
                 stages[i] = _made_where(op, i, maker, param_readers)
         elif kind == "optimize":
@@ -230,7 +231,7 @@ def _check_sub_blocks(program: Program, stages: list[int | None]) -> None:
             for sub in value if isinstance(value, list) else [value]:
                 index = sub if isinstance(sub, int) else sub.idx
                 for j, inner in enumerate(program.block(index).ops):
-                    stage = _explicit(inner, j)
+                    stage = explicit_stage(inner, j)
                     if stage is not None and stage != stages[i]:
                         raise UnsupportedError(
                             f"op #{j} ({inner.type}) of block {index} is placed on stage {stage}, but block "

@@ -1,7 +1,7 @@
 """Optimizers, weight decay and gradient clipping (`fluidps.optimizer`).
 
 May import: fluidps.errors, fluidps.ir, fluidps.ops, fluidps.backward, fluidps.initializer,
-fluidps.layers.guard
+fluidps.layers.guard, fluidps.transpiler.cost_model, fluidps.transpiler.partition
 """
 
 from fluidps.optimizer.base import Optimizer

@@ -23,10 +23,14 @@ from fluidps.errors import BuilderError
 from fluidps.ir.devices import PipelineConfig, stage_device
 from fluidps.ir.operator import Operator
 from fluidps.ir.program import Program
-from fluidps.ir.stages import EVERY_STAGE, assign_stages
+from fluidps.ir.stages import EVERY_STAGE, assign_stages, explicit_stage, phase
 from fluidps.ir.types import OP_DEVICE_ATTR
 from fluidps.ir.variable import Parameter, Variable
 from fluidps.optimizer.base import Optimizer
+from fluidps.transpiler.cost_model import CostModel
+from fluidps.transpiler.partition import Placement, place_pipeline, write_stages
+
+_DEFAULT_MICRO_ROWS = 32  # a micro-batch's rows placement assumes when no batch_size is given
 
 
 class PipelineOptimizer:
@@ -34,7 +38,12 @@ class PipelineOptimizer:
     of its `num_microbatches` micro-batches (the loss gradient scaled by
     1 / num_microbatches), on `schedule_mode` "1F1B" (the default) or "F-then-B"
     (GPipe). `num_stages`: how many stages the program must have (default: as
-    many as its device_guards name); with one, a pipeline is gradient accumulation."""
+    many as its device_guards name); with one, a pipeline is gradient accumulation.
+
+    Forward ops without a device_guard, when `num_stages` is given, are placed by
+    `cost_model` (default: CostModel.load(), this machine's calibration and op profile)
+    for mini-batches of `batch_size` rows (default 32 per micro-batch), each stage
+    keeping at most `memory_cap` bytes when given; `placement` then holds the plan."""
 
     def __init__(
         self,
@@ -42,6 +51,9 @@ class PipelineOptimizer:
         num_microbatches: int = 1,
         schedule_mode: str = "1F1B",
         num_stages: int | None = None,
+        batch_size: int | None = None,
+        cost_model: CostModel | None = None,
+        memory_cap: int | None = None,
     ):
         if not isinstance(optimizer, Optimizer):
             raise BuilderError(
@@ -54,6 +66,10 @@ class PipelineOptimizer:
         self.num_microbatches = num_microbatches
         self.schedule_mode = schedule_mode
         self.num_stages = num_stages
+        self.batch_size = batch_size or _DEFAULT_MICRO_ROWS * num_microbatches
+        self.cost_model = cost_model
+        self.memory_cap = memory_cap
+        self.placement: Placement | None = None  # what minimize chose, when it placed ops
 
     def minimize(
         self,
@@ -77,13 +93,39 @@ class PipelineOptimizer:
                 "build its layers inside fluidps.device_guard('stage:k'), or say num_stages=1 for gradient "
                 "accumulation alone"
             )
-        forward = assign_stages(program, self.num_stages)
-        for op, stage in zip(block.ops, forward.op_stages, strict=True):
-            op.set_attr(OP_DEVICE_ATTR, stage_device(stage))  # (backward copies it onto the grad ops)
-        result = self.inner.minimize(loss, startup_program, parameter_list, no_grad_set)
-        placed = assign_stages(program, forward.num_stages)
+        if self._places(program):
+            result = self.inner.minimize(loss, startup_program, parameter_list, no_grad_set)
+            self._place(program)
+        else:
+            forward = assign_stages(program, self.num_stages)
+            for op, stage in zip(block.ops, forward.op_stages, strict=True):
+                op.set_attr(OP_DEVICE_ATTR, stage_device(stage))  # (backward copies it onto the grad ops)
+            result = self.inner.minimize(loss, startup_program, parameter_list, no_grad_set)
+        placed = assign_stages(program, self.num_stages)
         for op, stage in zip(block.ops, placed.op_stages, strict=True):
             if stage != EVERY_STAGE and not (op.has_attr(OP_DEVICE_ATTR) and op.attr(OP_DEVICE_ATTR)):
                 op.set_attr(OP_DEVICE_ATTR, stage_device(stage))
         program.pipeline = PipelineConfig(self.num_microbatches, self.schedule_mode, placed.num_stages)
         return result
+
+    def _places(self, program: Program) -> bool:
+        """Whether minimize places ops by cost: stages asked for, and forward ops without one."""
+        if self.num_stages is None or self.num_stages == 1:
+            return False
+        ops = program.global_block().ops
+        return any(explicit_stage(op, i) is None for i, op in enumerate(ops) if phase(op) == "forward")
+
+    def _place(self, program: Program) -> None:
+        """Give the unplaced forward ops, and the grad ops that go with them, the stage of
+        the cheapest predicted step (the rest follow fluidps.ir.stages' rules)."""
+        cost = self.cost_model if self.cost_model is not None else CostModel.load()
+        self.placement = place_pipeline(
+            program,
+            self.num_stages,
+            self.num_microbatches,
+            cost,
+            self.batch_size,
+            self.schedule_mode,
+            self.memory_cap,
+        )
+        write_stages(program, self.placement)

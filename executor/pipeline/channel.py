@@ -55,6 +55,7 @@ class RemoteStageChannel:
         # binds its endpoint at its first step), and gets the warm-up allowance, not the timeout.
         self._answered: set[int] = set()
         self.deaf: str | None = None  # why whoever delivers the peers' values stopped (see stop_hearing)
+        self.waited_s = 0.0  # spent in recv waiting for peers' values (a stage's idle time)
 
     # -- the serving loop's side ---------------------------------------------------------
 
@@ -134,6 +135,7 @@ class RemoteStageChannel:
 
     def recv(self, peer: int, name: str) -> Any:
         key = (peer, name, self.step, self.micro_batch)
+        started = time.perf_counter()
         client: RpcClient | None = None  # (made when the value is not there yet: a probe of the peer)
         probe: int | None = None
         deadline = time.monotonic() + self._settings.request_timeout  # a bound for a hang
@@ -145,6 +147,7 @@ class RemoteStageChannel:
                     if key in self._mail:
                         if probe is not None:
                             client.forget(probe)
+                        self.waited_s += time.perf_counter() - started
                         return self._mail.pop(key)
                     raise ExecutionError(
                         f"stage {self.stage} waited for {name!r} from stage {peer}, but it no longer hears its "

@@ -38,6 +38,7 @@ class LocalChannel:
     def __init__(self) -> None:
         self.stage = 0
         self.micro_batch = 0
+        self.waited_s = 0.0  # (a stage of one process never waits: it runs when its values are there)
         self._mail: dict[tuple[int, int, str, int], Any] = {}
 
     def send(self, peer: int, name: str, value: Any) -> None:

@@ -10,7 +10,9 @@ channel which micro-batch is running.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,8 @@ class StageRunner:
         self.fetched: dict[str, list[Any]] = {}
         self.position = 0  # of the next action in `actions`
         self.peak_live = 0  # most micro-batches' values held at once, over every step
+        self.steps = 0
+        self.busy_s = 0.0  # running its programs, not waiting for its peers' values
 
     def begin(self, scope: Any, micro_feeds: list[dict[str, Any]], fetch_names: Sequence[str]) -> None:
         """Start a step on these micro-batches' feeds; fetch what of `fetch_names` this stage's forward makes."""
@@ -52,6 +56,7 @@ class StageRunner:
                 held[...] = 0
             else:
                 scope[name] = np.zeros(shape, dtype)
+        self.steps += 1
         self._feeds = micro_feeds
         self._wanted = [n for n in fetch_names if n in self.plan.made]
         self.fetched = {n: [] for n in self._wanted}
@@ -66,6 +71,11 @@ class StageRunner:
         """Run the next action of the schedule."""
         kind, k = self.actions[self.position]
         self._channel.stage, self._channel.micro_batch = self.plan.stage, k
+        with self._busy():
+            self._act(kind, k, scope)
+        self.position += 1
+
+    def _act(self, kind: str, k: int, scope: Any) -> None:
         plan = self.plan
         if kind == FORWARD:
             feed = {n: self._feeds[k][n] for n in plan.feeds}
@@ -76,11 +86,20 @@ class StageRunner:
             self.peak_live = max(self.peak_live, len(self._stash))
         else:
             self._run(plan.backward, self._stash.pop(k), [], scope)
-        self.position += 1
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Time what runs inside, less what the channel spent waiting for peers meanwhile."""
+        waited, start = self._channel.waited_s, time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += time.perf_counter() - start - (self._channel.waited_s - waited)
 
     def optimize(self, scope: Any) -> None:
         self._channel.stage, self._channel.micro_batch = self.plan.stage, 0  # (a step's own exchanges)
-        self._run(self.plan.optimize, {}, [], scope)
+        with self._busy():
+            self._run(self.plan.optimize, {}, [], scope)
 
     def step(self, scope: Any, feed: Mapping[str, Any], fetch_names: Sequence[str]) -> dict[str, Any]:
         """A whole step of this stage alone (its peers run theirs in their own processes):
@@ -98,6 +117,8 @@ class StageRunner:
             "params": list(self.plan.params),
             "param_bytes": self.plan.param_bytes,
             "peak_live_microbatches": self.peak_live,
+            "steps": self.steps,
+            "busy_s": self.busy_s,  # (over every step so far: compare two reads for a span)
         }
 
     def whole(self, name: str) -> Any:

@@ -329,3 +329,22 @@ def test_the_pipeline_bench_compares_each_schedule_with_local_training():
         bound = [2, 1] if r["schedule"] == "1F1B" else [2, 2]
         assert [s["peak_live_microbatches"] for s in stages] == bound
     assert pipeline[0]["loss"] == pipeline[1]["loss"]  # both schedules train the same
+
+
+def test_the_placement_bench_measures_every_split_and_the_automatic_one():
+    transport, profile, *splits, auto, planning = bench("placement", "--quick")
+    assert (
+        transport["row"] == "transport"
+        and transport["alpha_us"] > 0
+        and transport["raw_pyzmq_4k_push_us"] > 0
+    )
+    assert profile["row"] == "profile" and profile["signatures"] > 0
+    assert [r["cut"] for r in splits] == [1, 2, 3]  # every cut between the 3 hidden layers
+    for r in [*splits, auto]:
+        assert r["step_ms"] > 0 and len(r["busy_ms"]) == len(r["predicted_busy_ms"]) == 2
+        errors = [p / b - 1 for p, b in zip(r["predicted_busy_ms"], r["busy_ms"], strict=True)]
+        assert r["stage_error"] == [pytest.approx(e, abs=0.02) for e in errors]  # (of the rounded times)
+    best = min(splits, key=lambda r: r["step_ms"])
+    assert auto["row"] == "auto" and auto["best_cut"] == best["cut"] and auto["equal_cut"] == 2
+    assert auto["vs_best"] == pytest.approx(auto["step_ms"] / best["step_ms"], rel=1e-2)
+    assert planning["ops"] > 800 and planning["stages"] == 4

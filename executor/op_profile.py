@@ -1,0 +1,100 @@
+"""Measured op times: what fluidps.transpiler.cost_model's OpProfile holds.
+
+    profile = profile_ops(main, startup, feed, steps=5)
+    profile.save()          # merged into ~/.cache/fluidps/op_profile.json
+
+The program runs a few steps on a scope of its own (the startup program run into it;
+the caller's values are never touched), op by op through the interpreter's kernels,
+and each op's time is the median over the steps after the first, keyed by its
+signature at the feed's rows. Ops of one signature (the same layer repeated) share
+the median of all their runs.
+
+Timed one by one, ops cost more than they do when an Executor runs a pipeline stage
+compiled (each op alone pays for its fresh outputs' first touch, which a compiled
+segment's plan and a warm allocator mostly avoid): measured here, 30-60% more for
+the matrix products of a wide MLP. So the program also runs as a one-stage pipeline
+of `micro_batches` micro-batches, compiled, as a stage runs it (its forward and
+backward once per micro-batch, its updates once a step), and every op's time is
+scaled by that stage's busy time over what the ops' medians add up to for the same
+step: the profile keeps the ops' proportions and the executor's total.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fluidps.errors import FeedError
+from fluidps.executor.executor import Executor, PreparedProgram
+from fluidps.executor.scope import Scope
+from fluidps.ir.devices import PipelineConfig
+from fluidps.ir.program import Program
+from fluidps.ir.stages import phase
+from fluidps.transpiler.cost_model import OpProfile, machine_id, op_signature
+
+
+def profile_ops(
+    program: Program, startup: Program, feed: Mapping[str, Any], steps: int = 5, micro_batches: int = 1
+) -> OpProfile:
+    """Each op of training program `program`'s global block timed over `steps` runs (after
+    one untimed) on `feed` (one micro-batch's rows), scaled to a compiled stage's step of
+    `micro_batches` such micro-batches."""
+    rows = {np.shape(v)[0] for v in feed.values() if np.ndim(v) > 0}
+    if len(rows) != 1:
+        raise FeedError(f"profile_ops: every fed value needs the same number of rows, got {sorted(rows)}")
+    (batch_rows,) = rows
+    scope = Scope()
+    exe = Executor(compile=False)
+    exe.run(startup, scope=scope)
+    prepared = PreparedProgram(program, [])
+    block = program.global_block()
+    signatures = [op_signature(block, op, batch_rows) for op in block.ops]
+    times: dict[str, list[float]] = {}
+    for step in range(steps + 1):
+        env = {name: scope.find(name) for name in prepared.scope_reads if scope.find(name) is not None}
+        env.update(prepared.check_feeds(feed))
+        seconds = prepared.runner.run_timed(env)
+        if step:  # (the first run builds what kernels cache)
+            for signature, taken in zip(signatures, seconds, strict=True):
+                times.setdefault(signature, []).append(taken)
+        for name in prepared.persistables:  # the next step starts where this one ended
+            if name in env:
+                scope[name] = env[name]
+    medians = {s: statistics.median(t) for s, t in times.items()}
+    per_step = sum(
+        medians[s] * (1 if phase(op) == "optimize" else micro_batches)
+        for s, op in zip(signatures, block.ops, strict=True)
+    )
+    busy = _stage_step(program, startup, feed, micro_batches, steps)
+    scale = busy / per_step if per_step > 0 else 1.0
+    return OpProfile(machine_id(), {s: t * scale for s, t in medians.items()})
+
+
+def _stage_step(
+    program: Program, startup: Program, feed: Mapping[str, Any], micro_batches: int, steps: int
+) -> float:
+    """Median busy seconds of a step of `program` run as a one-stage pipeline of
+    `micro_batches` micro-batches of `feed`, compiled."""
+    staged = program.clone()
+    staged.pipeline = PipelineConfig(micro_batches, "1F1B", 1)
+    batch = {name: np.concatenate([np.asarray(value)] * micro_batches) for name, value in feed.items()}
+    scope = Scope()
+    exe = Executor()
+    exe.run(startup, scope=scope)
+    compiled, settled = -1, 0
+    for _ in range(50):  # until its blocks are compiled (a few interpreted runs first)
+        exe.run(staged, feed=batch, scope=scope)
+        now = exe.compiled_ops()
+        settled, compiled = (settled + 1 if now == compiled else 0), now
+        if settled >= 4:  # (and its compiled code has run: numba specializes at a first call)
+            break
+    seconds = []
+    for _ in range(steps):
+        (before,) = exe.pipeline_stats(staged)
+        exe.run(staged, feed=batch, scope=scope)
+        (after,) = exe.pipeline_stats(staged)
+        seconds.append(after["busy_s"] - before["busy_s"])
+    return statistics.median(seconds)
