@@ -18,6 +18,8 @@ Everything below is measured in one run, in this order:
 - "auto": PipelineOptimizer(num_stages=2) with no device_guard, placed by the same model:
   its cut, measured and predicted, and its step over the best split's and over the split
   with equal layer counts (the default a person writes);
+- "pservers": each of 3 pservers' predicted load a step under round-robin and under
+  split_method="Cost", for a model of one large and 36 small parameters (sliced, and whole);
 - "planning": seconds to place a program of about 1,000 ops on 4 stages.
 """
 
@@ -29,6 +31,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMB
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -37,8 +40,9 @@ import numpy as np  # noqa: E402
 
 import fluidps  # noqa: E402
 from bench.bandwidth import zmq_bandwidth  # noqa: E402
-from bench.pipeline import rate  # noqa: E402
 from fluidps import layers  # noqa: E402
+from fluidps.cli.calibrate_cmd import measure_stage_overhead  # noqa: E402
+from fluidps.cli.stage_timing import time_stages  # noqa: E402
 from fluidps.executor.calibrate import calibrate  # noqa: E402
 from fluidps.executor.op_profile import profile_ops  # noqa: E402
 from fluidps.transpiler.cost_model import ANALYTIC, CostModel, CostModelWarning  # noqa: E402
@@ -87,28 +91,9 @@ def feeds(args, rows: int, count: int = 4) -> list[dict[str, np.ndarray]]:
 
 
 def measure(args, main, startup, loss) -> dict:
-    """The pipeline job's step (ms) and each stage's busy ms per step, over the timed steps."""
-    batches = feeds(args, args.batch)
-    with fluidps.RemoteExecutor(fluidps.JobDesc()) as exe:
-        exe.run(startup)
-        settled, compiled, i = 0, None, 0
-        while i < args.warmup or settled < 3:  # past the compile: every stage's segments settled
-            exe.run(main, feed=batches[i % len(batches)], fetch_list=[loss])
-            now = [s["compiled_ops"] for s in exe.stage_stats()]
-            settled = settled + 1 if now == compiled and all(now) else 0
-            compiled, i = now, i + 1
-            if i > 200:
-                raise RuntimeError(f"the stages' compiled ops did not settle in 200 steps: {now}")
-        before = [s["pipeline"] for s in exe.stage_stats()]
-        steps_per_s = rate(
-            lambda f: exe.run(main, feed=f, fetch_list=[loss]), batches, args.steps, args.repeats, 0
-        )
-        after = [s["pipeline"] for s in exe.stage_stats()]
-    busy = [
-        round((a["busy_s"] - b["busy_s"]) * 1e3 / max(a["steps"] - b["steps"], 1), 2)
-        for a, b in zip(after, before, strict=True)
-    ]
-    return {"step_ms": round(1e3 / steps_per_s, 2), "busy_ms": busy}
+    """The pipeline job's median step (ms) and each stage's busy ms a step, past the compile."""
+    step, busy = time_stages(main, startup, feeds(args, args.batch), args.steps * args.repeats, [loss])
+    return {"step_ms": round(step * 1e3, 2), "busy_ms": [round(b * 1e3, 2) for b in busy]}
 
 
 def predicted(placement, m: int, measured: dict) -> dict:
@@ -137,6 +122,37 @@ def planning_seconds() -> tuple[int, float]:
     return len(main.global_block().ops), time.perf_counter() - start
 
 
+def pserver_rows() -> list[dict]:
+    """Each pserver's predicted load a step over 3 pservers, round-robin against "Cost", for
+    a model with one large parameter (256 x 1024) and 36 small ones of three sizes in turn,
+    Adam; with parameters cut into blocks (the default) and kept whole."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [256])
+        big = layers.fc(x, 1024)
+        h = x
+        for i in range(18):
+            h = layers.fc(h, (192, 24, 8)[i % 3], act="relu")
+        loss = layers.elementwise_add(layers.mean(big), layers.mean(h))
+        fluidps.optimizer.Adam(0.01).minimize(loss)
+    endpoints = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
+    rows = []
+    for slice_up in (True, False):
+        row = {"sliced": slice_up}
+        for method in ("RoundRobin", "Cost"):
+            config = fluidps.DistributeTranspilerConfig(split_method=method, slice_var_up=slice_up)
+            plan = fluidps.DistributeTranspiler(config).transpile(0, main, endpoints, startup_program=startup)
+            loads = list(plan.loads().values())
+            largest_block = max(s.load_s for s in plan.slices)
+            row[method] = {
+                "loads_ms": [round(t * 1e3, 3) for t in loads],
+                "max_over_mean": round(max(loads) / (sum(loads) / len(loads)), 3),
+                "largest_block_over_mean": round(largest_block / (sum(loads) / len(loads)), 3),
+            }
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -150,18 +166,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=6, help="steps before timing (past the compile)")
     parser.add_argument("--profile-steps", type=int, default=10, help="runs of each op timed")
     parser.add_argument("--quick", action="store_true", help="3 small layers, m = 4, few steps (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
         args.wide, args.narrow, args.wide_width, args.narrow_width, args.input_width = 1, 2, 128, 16, 32
-        args.batch, args.microbatches, args.steps, args.repeats, args.warmup = 16, 4, 2, 1, 2
+        args.batch, args.microbatches, args.steps, args.repeats = 16, 4, 2, 1
         args.profile_steps = 2
     m = args.microbatches
     common = {"cores": CORES, "batch": args.batch, "microbatches": m, "stages": STAGES}
 
     model, fitted = calibrate(calls=5 if args.quick else 40)
+    model = dataclasses.replace(
+        model, stage_overhead_s=measure_stage_overhead(model, 5 if args.quick else 20)
+    )
     raw = zmq_bandwidth(4096, 5 if args.quick else 200)
     print(json.dumps({
         "bench": "placement", "row": "transport", "alpha_us": round(model.alpha_s * 1e6, 1),
@@ -169,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             [size, round(t * 1e6, 1)] for size, t in fitted["round_trips"]],
         "raw_pyzmq_4k_push_us": round(raw["push"] * 1e6, 1), "gemm_gflops": round(model.gemm_flops / 1e9, 1),
         "bandwidth_gbs": round(model.bandwidth / 1e9, 1), "op_overhead_us": round(model.op_overhead_s * 1e6, 2),
+        "stage_overhead_us": round(model.stage_overhead_s * 1e6, 1),
         **common}))  # fmt: skip
 
     plain, plain_startup, _, _ = build(args, None, None)
@@ -215,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         "vs_best": round(auto["step_ms"] / splits[best_cut]["step_ms"], 3),
         "vs_equal": round(auto["step_ms"] / splits[equal_cut]["step_ms"], 3),
         **common}))  # fmt: skip
+
+    for row in pserver_rows():
+        print(json.dumps({"bench": "placement", "row": "pservers", **row, "cores": CORES}))
 
     ops, seconds = planning_seconds()
     print(

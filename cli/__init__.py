@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import click
 
+from fluidps.cli.calibrate_cmd import calibrate
 from fluidps.cli.checkpoint_cmd import checkpoint
 from fluidps.cli.data_cmd import data
 from fluidps.cli.k8s_cmd import k8s
 from fluidps.cli.launch_cmd import launch
-from fluidps.cli.place_cmd import calibrate, place
+from fluidps.cli.place_cmd import place
 from fluidps.cli.program_cmds import dot, inspect
 from fluidps.cli.serve_cmd import keys, secret, serve
 from fluidps.cli.transpile_cmd import transpile

@@ -1,10 +1,14 @@
-"""`fluidps calibrate` (measure this machine and its transport for the cost model) and
-`fluidps place` (choose a training program's pipeline cuts by that model)."""
+"""`fluidps place`: choose a training program's pipeline cuts by the cost model."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import click
 import numpy as np
@@ -15,39 +19,10 @@ from fluidps.io.atomic import write_atomic
 from fluidps.ir.devices import SCHEDULES
 from fluidps.ir.program import Program
 from fluidps.ir.types import to_numpy_dtype
-from fluidps.transpiler.cost_model import CostModel, CostModelWarning, load_machine, load_profile
+from fluidps.transpiler.cost_model import CostModel, CostModelWarning, OpProfile, load_machine, load_profile
 from fluidps.transpiler.partition import Placement, place_pipeline, placed
 
-
-@click.command()
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(dir_okay=False),
-    help="Where to store it (default: the cost model's path).",
-)
-@click.option("--calls", type=int, default=40, show_default=True, help="Round trips timed per message size.")
-def calibrate(output: str | None, calls: int) -> None:
-    """Measure this machine (one thread's matrix-product rate and memory bandwidth, an
-    op's fixed cost) and a message between two processes over fluidps's transport
-    (alpha + beta * bytes), and store them for placement by cost."""
-    from fluidps.executor.calibrate import calibrate as measure
-
-    try:
-        model, fitted = measure(calls)
-    except Error as e:
-        fail(str(e))
-    path = model.save(output)
-    click.echo(f"machine: {model.machine}")
-    click.echo(f"  matrix product   {model.gemm_flops / 1e9:8.1f} GFLOP/s (one thread, float32)")
-    click.echo(f"  memory copy      {model.bandwidth / 1e9:8.1f} GB/s")
-    click.echo(f"  one op           {model.op_overhead_s * 1e6:8.2f} us")
-    click.echo(f"  one program run  {model.run_overhead_s * 1e6:8.2f} us besides its ops")
-    click.echo(f"  message          {model.alpha_s * 1e6:8.1f} us + {model.beta_s * 1e9:.3f} ns/byte on its way")
-    click.echo(f"  sending one      {model.send_cpu_s * 1e6:8.1f} us of the sender's time")
-    for size, seconds in fitted["round_trips"]:
-        click.echo(f"    round trip of {size:>9,} bytes: {seconds * 1e6:8.1f} us")
-    click.echo(f"stored in {path}")
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 @click.command()
@@ -62,8 +37,9 @@ def calibrate(output: str | None, calls: int) -> None:
 @click.option(
     "--measure",
     is_flag=True,
-    help="Time the program's ops first (it needs --startup), and use those times; "
-    "the profile is stored for later runs.",
+    help="Time the program's ops first (it needs --startup) and place with those times (the "
+    "profile is stored for later runs); then run the placed program as a job of one process per "
+    "stage, and print each stage's measured time next to the predicted one.",
 )
 @click.option("--startup", "startup_file", metavar="STARTUP.pb", help="The startup program (for --measure).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the placed program here.")
@@ -97,24 +73,72 @@ def place(
             machine = load_machine(calibration)
             profile = load_profile(profile_file)
             if measure:
-                profile = _measure(main, load_program(startup_file), rows // micro_batches)
+                startup = load_program(startup_file)
+                profile = _measure(main, startup, rows // micro_batches, micro_batches, stages)
             cost = CostModel(machine, profile)
             placement = place_pipeline(main, stages, micro_batches, cost, rows, schedule, memory_cap)
         except Error as e:
             fail(str(e))
     for warning in caught:
         click.echo(f"fluidps: warning: {warning.message}", err=True)
-    click.echo(json.dumps(_to_dict(placement), indent=1) if as_json else placement.summary())
+    report = _to_dict(placement)
+    if measure:
+        step, busy = _run(placed(main, placement), startup, rows)
+        report["measured_step_ms"] = round(step * 1e3, 3)
+        for stage, seconds in zip(report["stages"], busy, strict=True):
+            stage["measured_ms_per_step"] = round(seconds * 1e3, 3)
+            stage["predicted_ms_per_step"] = round(placement.stage_s[stage["stage"]] * micro_batches * 1e3, 3)
+    click.echo(json.dumps(report, indent=1) if as_json else placement.summary())
+    if measure and not as_json:
+        click.echo(f"measured as a job: step {report['measured_step_ms']:.3f} ms "
+                   f"(predicted {report['predicted_step_ms']:.3f} ms)")  # fmt: skip
+        for stage in report["stages"]:
+            click.echo(f"  stage {stage['stage']}: busy {stage['measured_ms_per_step']:.3f} ms a step, "
+                       f"predicted {stage['predicted_ms_per_step']:.3f} ms")  # fmt: skip
     if output:
         write_atomic(output, [placed(main, placement).serialize_to_string()])
         click.echo(f"wrote the placed program to {output}")
 
 
-def _measure(main: Program, startup: Program, rows: int):
-    """Time every op of `main` on `rows` rows of made-up data (a float feed uniform in
-    [0, 1), an integer one zeros), and store the times."""
-    from fluidps.executor.op_profile import profile_ops
+def _measure(main: Program, startup: Program, rows: int, micro_batches: int, stages: int):
+    """Time every op of `main` on `rows` rows of made-up data, scaled to a stage's step of
+    `micro_batches` micro-batches (fluidps.executor.op_profile), in a process threaded as
+    each stage's will be (the cores shared by the stages), and store the times."""
+    threads = str(max((os.cpu_count() or 1) // stages, 1))
+    env = {**os.environ, **dict.fromkeys(_THREAD_VARS, threads)}
+    with tempfile.TemporaryDirectory(prefix="fluidps-profile-") as work:
+        files = {name: Path(work) / name for name in ("main.pb", "startup.pb", "feed.npz", "profile.json")}
+        files["main.pb"].write_bytes(main.serialize_to_string())
+        files["startup.pb"].write_bytes(startup.serialize_to_string())
+        np.savez(files["feed.npz"], **made_up_feed(main, rows))
+        command = [sys.executable, "-m", "fluidps.executor.op_profile", *map(str, files.values())]
+        done = subprocess.run(
+            [*command, "--micro-batches", str(micro_batches)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        if done.returncode != 0:
+            fail(f"timing the program's ops failed: {done.stderr.strip()[-800:]}")
+        profile = OpProfile.load(files["profile.json"])
+    path = profile.save()
+    click.echo(
+        f"timed {len(profile.seconds)} op signatures on {rows} rows, {threads} thread(s); stored in {path}"
+    )
+    return profile
 
+
+def _run(program: Program, startup: Program, rows: int) -> tuple[float, list[float]]:
+    """(seconds a step, each stage's busy seconds a step) of the placed program as a job."""
+    from fluidps.cli.stage_timing import time_stages
+
+    return time_stages(program, startup, [made_up_feed(program, rows)], steps=5)
+
+
+def made_up_feed(main: Program, rows: int) -> dict[str, np.ndarray]:
+    """`rows` rows of each variable `main` reads and no op writes: a float uniform in [0, 1),
+    an integer zeros (a valid class, a valid id)."""
     block = main.global_block()
     fed = {n for op in block.ops for n in op.input_arg_names} - {
         n for op in block.ops for n in op.output_arg_names
@@ -128,10 +152,7 @@ def _measure(main: Program, startup: Program, rows: int):
         shape = tuple(rows if d < 0 else d for d in (var.shape or ()))
         dtype = to_numpy_dtype(var.dtype)
         feed[name] = rng.random(shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
-    profile = profile_ops(main, startup, feed)
-    path = profile.save()
-    click.echo(f"timed {len(profile.seconds)} op signatures on {rows} rows; stored in {path}")
-    return profile
+    return feed
 
 
 def _to_dict(p: Placement) -> dict:

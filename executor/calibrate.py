@@ -39,7 +39,7 @@ from fluidps.executor.transport.wire import Kind, Message
 from fluidps.ir.program import Program
 from fluidps.ir.types import VarType
 from fluidps.ops import REGISTRY
-from fluidps.transpiler.cost_model import MachineModel, machine_id
+from fluidps.transpiler.cost_model import ANALYTIC, MachineModel, machine_id
 
 SIZES = (0, 16 << 10, 256 << 10, 1 << 20, 4 << 20)
 _ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -188,7 +188,9 @@ def measure_link(sizes: Sequence[int] = SIZES, calls: int = 40) -> dict[str, flo
 
 
 def calibrate(calls: int = 40) -> tuple[MachineModel, dict]:
-    """This machine's MachineModel (calibrated), and what it was fitted from."""
+    """This machine's MachineModel (calibrated), and what it was fitted from; its
+    stage_overhead_s is the analytic one until a pipeline job measures it
+    (fluidps.cli.calibrate_cmd.measure_stage_overhead: this room starts no jobs)."""
     rates = _rates_in_child()
     link = measure_link(calls=calls)
     model = MachineModel(
@@ -196,6 +198,7 @@ def calibrate(calls: int = 40) -> tuple[MachineModel, dict]:
         bandwidth=rates["bandwidth"],
         op_overhead_s=rates["op_overhead_s"],
         run_overhead_s=rates["run_overhead_s"],
+        stage_overhead_s=ANALYTIC.stage_overhead_s,  # (a job's measure: fluidps.cli.calibrate_cmd)
         alpha_s=link["alpha_s"],
         beta_s=link["beta_s"],
         send_cpu_s=link["send_cpu_s"],

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,3 +99,26 @@ def _stage_step(
         (after,) = exe.pipeline_stats(staged)
         seconds.append(after["busy_s"] - before["busy_s"])
     return statistics.median(seconds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m fluidps.executor.op_profile MAIN.pb STARTUP.pb FEED.npz OUT.json [--micro-batches M]`:
+    profile_ops in a process of its own, threaded as its environment says (as a stage
+    process is: `fluidps place --measure` runs it with the stages' thread count)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    for name in ("main", "startup", "feed", "out"):
+        parser.add_argument(name)
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+    program = Program.parse_from_string(Path(args.main).read_bytes())
+    startup = Program.parse_from_string(Path(args.startup).read_bytes())
+    with np.load(args.feed, allow_pickle=False) as data:
+        feed = {name: data[name] for name in data.files}
+    profile_ops(program, startup, feed, args.steps, args.micro_batches).save(args.out)
+
+
+if __name__ == "__main__":
+    main()

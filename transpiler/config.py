@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from fluidps.errors import BuilderError, UnsupportedError
 
 MODES = ("sync", "async", "ssp")
-SPLIT_METHODS = ("RoundRobin", "HashName")
+SPLIT_METHODS = ("RoundRobin", "HashName", "Cost")
 MERGES = ("auto", "sum", "mean")
 
 
@@ -19,7 +19,9 @@ class DistributeTranspilerConfig:
       block's name, stable across runs and machines). HashName placement does not
       balance bytes (a pserver may get most of a model, or nothing); RoundRobin deals
       each parameter's row blocks out in turn, so the large parameters, cut into one
-      block per pserver, spread evenly.
+      block per pserver, spread evenly. "Cost" (or "cost") balances the pservers'
+      predicted work a step (fluidps.transpiler.pserver_cost): the largest block first,
+      each to the pserver with the least so far; DistributedPlan.loads() reports it.
     min_block_size: the fewest elements a block may have (blocks are whole rows).
     mode: "sync" (barriers; gradients averaged over trainers), "async" (each gradient
       applied as it arrives) or "ssp" (async, but no trainer more than `staleness`
@@ -87,6 +89,8 @@ class DistributeTranspilerConfig:
     communicator_send_queue_size: int = 20
 
     def __post_init__(self) -> None:
+        if self.split_method == "cost":  # (accepted as written in lower case too)
+            object.__setattr__(self, "split_method", "Cost")
         if self.split_method not in SPLIT_METHODS:
             raise BuilderError(f"split_method must be one of {SPLIT_METHODS}, got {self.split_method!r}")
         if self.mode not in MODES:

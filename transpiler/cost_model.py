@@ -83,7 +83,9 @@ class MachineModel:
     """Rates of one machine, one thread: `gemm_flops` (FLOP/s of a float32 matrix
     product), `bandwidth` (bytes/s a copy moves), `op_overhead_s` (what running any op
     costs), `run_overhead_s` (what an executor's run of a program costs besides its
-    ops). A message of b bytes between two processes arrives alpha_s + beta_s * b after
+    ops), `stage_overhead_s` (what a pipeline stage process spends on each micro-batch
+    besides its ops and messages: its runner, its channel, its serving thread, running
+    its two programs). A message of b bytes between two processes arrives alpha_s + beta_s * b after
     it is sent, and costs each end send_cpu_s + beta_s * b of its own time (encoding or
     decoding, copying): the rest of alpha_s is waiting, which a pipeline overlaps with
     other micro-batches' work once it is full."""
@@ -92,6 +94,7 @@ class MachineModel:
     bandwidth: float
     op_overhead_s: float
     run_overhead_s: float
+    stage_overhead_s: float
     alpha_s: float
     beta_s: float
     send_cpu_s: float
@@ -103,7 +106,14 @@ class MachineModel:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise Error(f"MachineModel.{name} must be a positive number, got {value!r}")
-        for name in ("op_overhead_s", "run_overhead_s", "alpha_s", "beta_s", "send_cpu_s"):
+        for name in (
+            "op_overhead_s",
+            "run_overhead_s",
+            "stage_overhead_s",
+            "alpha_s",
+            "beta_s",
+            "send_cpu_s",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise Error(f"MachineModel.{name} must be a number >= 0, got {value!r}")
@@ -128,6 +138,7 @@ ANALYTIC = MachineModel(
     bandwidth=5e9,
     op_overhead_s=3e-6,
     run_overhead_s=50e-6,
+    stage_overhead_s=300e-6,
     alpha_s=100e-6,
     beta_s=1e-9,
     send_cpu_s=30e-6,
@@ -153,6 +164,7 @@ def load_machine(path: Path | str | None = None) -> MachineModel:
         "bandwidth",
         "op_overhead_s",
         "run_overhead_s",
+        "stage_overhead_s",
         "alpha_s",
         "beta_s",
         "send_cpu_s",

@@ -15,16 +15,18 @@ output.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 from fluidps.endpoints import parse_endpoints
 from fluidps.errors import BuilderError
 from fluidps.ir.program import Program
-from fluidps.ir.types import VarType
+from fluidps.ir.types import VarType, to_numpy_dtype
 from fluidps.ops import verify
 from fluidps.transpiler.analysis import ProgramRoles, analyze
 from fluidps.transpiler.config import DistributeTranspilerConfig
 from fluidps.transpiler.plan import DistributedPlan, Slice
+from fluidps.transpiler.pserver_cost import balance, block_load
 from fluidps.transpiler.pserver_program import build_pserver_programs
 from fluidps.transpiler.slicing import dispatch, row_blocks
 from fluidps.transpiler.tables import DistributedTable, find_distributed_tables
@@ -61,12 +63,18 @@ def plan_slices(
             name = update.param if whole else f"{update.param}.block{k}"
             grad = update.grad if whole else f"{update.grad}.block{k}"
             shape = (rows, *param.shape[1:])
-            pending.append((update.param, name, grad, k, offset, shape, param.dtype, sparse))
-    placed = dispatch([p[1] for p in pending], endpoints, config.split_method)
-    placed = [endpoints[p[3]] if p[0] in tables else ep for p, ep in zip(pending, placed, strict=True)]
+            nbytes = 0 if hashed else math.prod(shape) * to_numpy_dtype(param.dtype).itemsize
+            load = block_load(block, update, rows, nbytes)
+            pending.append((update.param, name, grad, k, offset, shape, param.dtype, sparse, load))
+    fixed = [endpoints[p[3]] if p[0] in tables else None for p in pending]  # a table's block k: pserver k
+    if config.split_method == "Cost":
+        placed = balance([p[8] for p in pending], endpoints, fixed)
+    else:
+        placed = dispatch([p[1] for p in pending], endpoints, config.split_method)
+        placed = [f or ep for f, ep in zip(fixed, placed, strict=True)]
     return [
-        Slice(p, n, g, k, o, s, d, ep, sp, p in tables, p in tables and tables[p].hashed)
-        for (p, n, g, k, o, s, d, sp), ep in zip(pending, placed, strict=True)
+        Slice(p, n, g, k, o, s, d, ep, sp, p in tables, p in tables and tables[p].hashed, load)
+        for (p, n, g, k, o, s, d, sp, load), ep in zip(pending, placed, strict=True)
     ]
 
 

@@ -192,9 +192,10 @@ class Placement:
                 f"{self.op_types[a]} .. {self.op_types[b - 1]}"
             )
         lines.append(
-            "(per micro-batch: compute and messages are the stage's own work, its updates spread over the "
-            "step; waits, its messages' time on the way, delay the first micro-batch only. "
-            "step = sum of stages + waits + (m - 1) x slowest stage)"
+            "(per micro-batch: compute and messages are the stage's own work, its updates spread over"
+        )
+        lines.append(
+            " the step; waits delay the first micro-batch only. step = stages + waits + (m - 1) x slowest)"
         )
         return "\n".join(lines)
 
@@ -369,8 +370,8 @@ def place_pipeline(
             f"{p} pipeline stages need at least {p} forward ops, and the program has {n}: use fewer stages"
         )
     prefix = np.concatenate([[0.0], np.cumsum(units.compute)])
-    # (each micro-batch runs the stage's forward and backward programs, each step its update)
-    runs = cost.machine.run_overhead_s * (2 + 1 / micro_batches)
+    # (a stage's own cost of each micro-batch, and of running its update once a step)
+    runs = cost.machine.stage_overhead_s + cost.machine.run_overhead_s / micro_batches
     compute = prefix[None, :] - prefix[:, None] + runs
     times = compute + units.messages
     params = np.concatenate([[0.0], np.cumsum(units.param_bytes)])

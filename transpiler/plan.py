@@ -36,6 +36,7 @@ class Slice:
     hashed: bool = (
         False  # a shard of a hashed table: ids i with mix64(i) mod shards == block_id; shape [-1, dim]
     )
+    load_s: float = 0.0  # predicted seconds it costs its pserver a trainer's step (pserver_cost)
 
     @property
     def rows(self) -> int:
@@ -97,6 +98,11 @@ class DistributedPlan:
     def bytes_per_pserver(self) -> dict[str, int]:
         return {ep: sum(s.nbytes for s in self.slices_on(ep)) for ep in self.endpoints}
 
+    def loads(self) -> dict[str, float]:
+        """Each pserver's predicted seconds a trainer's step (its blocks' updates and
+        messages, fluidps.transpiler.pserver_cost): what split_method="Cost" balances."""
+        return {ep: sum(s.load_s for s in self.slices_on(ep)) for ep in self.endpoints}
+
     def summary(self) -> str:
         """A readable placement table: per pserver, its slices, bytes and share."""
         per = self.bytes_per_pserver()
@@ -106,8 +112,12 @@ class DistributedPlan:
             f"{len(self.slices)} slice(s) of {len({s.param for s in self.slices})} parameter(s), "
             f"{total:,} bytes"
         ]
+        loads = self.loads()
         for i, ep in enumerate(self.endpoints):
-            lines.append(f"pserver {i} {ep}: {per[ep]:,} bytes ({100 * per[ep] / total:.1f}%)")
+            lines.append(
+                f"pserver {i} {ep}: {per[ep]:,} bytes ({100 * per[ep] / total:.1f}%), "
+                f"predicted {loads[ep] * 1e3:.3f} ms a step"
+            )
             for s in self.slices_on(ep):
                 if s.hashed:
                     lines.append(
@@ -142,6 +152,7 @@ class DistributedPlan:
             "trainers": self.trainers,
             "endpoints": list(self.endpoints),
             "bytes_per_pserver": per,
+            "predicted_ms_per_pserver": {ep: round(t * 1e3, 6) for ep, t in self.loads().items()},
             "slices": [
                 {
                     "param": s.param,
@@ -155,6 +166,7 @@ class DistributedPlan:
                     "sparse": s.sparse,
                     "distributed": s.distributed,
                     "hashed": s.hashed,
+                    "predicted_ms": round(s.load_s * 1e3, 6),
                 }
                 for s in self.slices
             ],

@@ -56,6 +56,7 @@ def test_calibrate_then_place_measure_and_transpile_the_placed_program(tmp_path)
     model = load_machine(tmp_path / "calibration.json")
     assert model.calibrated and model.machine == machine_id()
     assert model.alpha_s > 0 and model.gemm_flops > 0 and model.send_cpu_s > 0
+    assert "a stage's own" in calibrated.stdout  # measured by a two-stage job
 
     measured = run(
         "place", str(main_file), "--stages", "2", "--micro-batches", "4", "--batch-size", "32",
@@ -67,6 +68,10 @@ def test_calibrate_then_place_measure_and_transpile_the_placed_program(tmp_path)
     report = json.loads(measured.stdout[measured.stdout.index("{") : measured.stdout.rindex("}") + 1])
     assert [s["stage"] for s in report["stages"]] == [0, 1] and report["predicted_step_ms"] > 0
     assert all(s["ops"] for s in report["stages"])
+    # the placed program ran as a job of two stage processes: each stage's time, measured
+    assert report["measured_step_ms"] > 0
+    assert all(s["measured_ms_per_step"] > 0 and s["predicted_ms_per_step"] > 0 for s in report["stages"])
+    assert "1 thread(s)" in measured.stdout or "2 thread(s)" in measured.stdout
 
     stages = run("transpile", str(tmp_path / "placed.pb"), "--pipeline", "--microbatches", "4",
                  "-o", str(tmp_path / "stages"), env=env)  # fmt: skip

@@ -332,7 +332,7 @@ def test_the_pipeline_bench_compares_each_schedule_with_local_training():
 
 
 def test_the_placement_bench_measures_every_split_and_the_automatic_one():
-    transport, profile, *splits, auto, planning = bench("placement", "--quick")
+    transport, profile, *splits, auto, sliced, whole, planning = bench("placement", "--quick")
     assert (
         transport["row"] == "transport"
         and transport["alpha_us"] > 0
@@ -348,3 +348,11 @@ def test_the_placement_bench_measures_every_split_and_the_automatic_one():
     assert auto["row"] == "auto" and auto["best_cut"] == best["cut"] and auto["equal_cut"] == 2
     assert auto["vs_best"] == pytest.approx(auto["step_ms"] / best["step_ms"], rel=1e-2)
     assert planning["ops"] > 800 and planning["stages"] == 4
+    assert sliced["sliced"] and not whole["sliced"]
+    for row in (sliced, whole):
+        for method in ("RoundRobin", "Cost"):
+            loads = row[method]["loads_ms"]
+            assert len(loads) == 3 and row[method]["max_over_mean"] == pytest.approx(
+                3 * max(loads) / sum(loads), rel=1e-2
+            )
+    assert sliced["Cost"]["max_over_mean"] <= 1.1  # cut into blocks, the load balances

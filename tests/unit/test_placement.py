@@ -143,7 +143,7 @@ def test_a_stage_pays_for_each_value_crossing_its_cuts_and_a_skip_connection_onl
         h2 = layers.fc(h1, 64)
         loss = layers.mean(layers.elementwise_add(h2, h1))
         fluidps.optimizer.SGD(0.1).minimize(loss)
-    machine = MachineModel(1e12, 1e12, 0.0, 0.0, alpha_s=0.0, beta_s=1.0, send_cpu_s=0.0)  # 1 s a byte
+    machine = MachineModel(1e12, 1e12, 0.0, 0.0, 0.0, alpha_s=0.0, beta_s=1.0, send_cpu_s=0.0)  # 1 s a byte
     rows = 4
     block = main.global_block()
     forward = [i for i, op in enumerate(block.ops) if phase(op) == "forward"]
@@ -249,12 +249,12 @@ def test_an_uncalibrated_or_foreign_calibration_warns_once_and_uses_the_analytic
     with pytest.warns(CostModelWarning, match="no transport calibration .* run `fluidps calibrate`"):
         assert load_machine(tmp_path / "none.json") is ANALYTIC
     foreign = MachineModel(
-        1e11, 1e10, 1e-6, 1e-5, 1e-4, 1e-9, 1e-5, machine="another CPU x64", calibrated=True
+        1e11, 1e10, 1e-6, 1e-5, 3e-4, 1e-4, 1e-9, 1e-5, machine="another CPU x64", calibrated=True
     )
     path = foreign.save(tmp_path / "calibration.json")
     with pytest.warns(CostModelWarning, match="measured on 'another CPU x64', not this machine"):
         assert load_machine(path) is ANALYTIC
-    mine = MachineModel(1e11, 1e10, 1e-6, 1e-5, 1e-4, 1e-9, 1e-5, machine=machine_id(), calibrated=True)
+    mine = MachineModel(1e11, 1e10, 1e-6, 1e-5, 3e-4, 1e-4, 1e-9, 1e-5, machine=machine_id(), calibrated=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_machine(mine.save(path)) == mine
@@ -276,7 +276,7 @@ def test_damaged_calibration_and_profile_files_are_errors_naming_them(tmp_path):
     with pytest.raises(Error, match="no op profile at"):
         load_profile(tmp_path / "missing.json")
     with pytest.raises(Error, match="gemm_flops must be a positive number"):
-        MachineModel(0, 1e10, 0, 0, 0, 0, 0)
+        MachineModel(0, 1e10, 0, 0, 0, 0, 0, 0)
 
 
 def test_a_profile_of_another_program_or_machine_is_said_and_set_aside(tmp_path):
@@ -320,3 +320,60 @@ def test_placed_returns_a_pipeline_program_and_leaves_its_input_alone():
     assert plain.serialize_to_string() == before
     assert out.pipeline.num_stages == 2 and out.pipeline.num_microbatches == 4
     assert fluidps.PipelineTranspiler().transpile(out).num_stages == 2
+
+
+# -- pservers by cost ----------------------------------------------------------------------
+
+
+def one_large_many_small(hashed_vocab: int | None = None):
+    """A [256, 1024] weight and 36 small parameters of three sizes in turn, Adam."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [256])
+        big = layers.fc(x, 1024)
+        h = x
+        for i in range(18):
+            h = layers.fc(h, (192, 24, 8)[i % 3], act="relu")
+        loss = layers.elementwise_add(layers.mean(big), layers.mean(h))
+        if hashed_vocab:
+            ids = layers.data("ids", [1], dtype="int64")
+            emb = layers.embedding(ids, size=[hashed_vocab, 8], is_sparse=True, is_distributed=True)
+            loss = layers.elementwise_add(loss, layers.mean(emb))
+        fluidps.optimizer.Adam(0.01).minimize(loss)
+    return main, startup
+
+
+ENDPOINTS = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
+
+
+def transpiled(main, startup, **config):
+    config = fluidps.DistributeTranspilerConfig(**config)
+    return fluidps.DistributeTranspiler(config).transpile(0, main, ENDPOINTS, startup_program=startup)
+
+
+def test_cost_placement_balances_the_pservers_predicted_load_and_reports_it():
+    main, startup = one_large_many_small()
+    by_cost = transpiled(main, startup, split_method="cost")  # (the lower-case spelling too)
+    assert by_cost.config.split_method == "Cost"
+    round_robin = transpiled(main, startup)
+    loads, rr = list(by_cost.loads().values()), list(round_robin.loads().values())
+    assert sum(loads) == pytest.approx(sum(rr))  # the same blocks, placed otherwise
+    assert max(loads) <= 1.1 * sum(loads) / 3 and max(loads) <= max(rr)
+    assert "predicted" in by_cost.summary() and "ms a step" in by_cost.summary()
+    assert by_cost.to_dict()["predicted_ms_per_pserver"] == {
+        ep: pytest.approx(t * 1e3, abs=1e-5) for ep, t in by_cost.loads().items()
+    }
+    again = transpiled(main, startup, split_method="Cost")  # every process must place alike
+    assert [s.endpoint for s in again.slices] == [s.endpoint for s in by_cost.slices]
+    # a block's load: its update ops over its rows and its two messages, larger blocks more
+    big = [s for s in by_cost.slices if s.param == "fc_0.w_0"]
+    small = next(s for s in by_cost.slices if s.nbytes < big[0].nbytes)
+    assert big[0].load_s > small.load_s > 0
+
+
+def test_cost_placement_keeps_a_tables_block_k_on_pserver_k_and_balances_around_it():
+    main, startup = one_large_many_small(hashed_vocab=90_000)
+    plan = transpiled(main, startup, split_method="Cost")
+    table = [s for s in plan.slices if s.distributed]
+    assert [s.endpoint for s in table] == ENDPOINTS.split(",")
+    assert max(plan.loads().values()) <= 1.1 * sum(plan.loads().values()) / 3

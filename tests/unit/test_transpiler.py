@@ -412,10 +412,11 @@ def test_transpile_cli_writes_programs_and_placement(tmp_path):
     for i, (ep, nbytes) in enumerate(per.items()):
         assert f"pserver {i} {ep}: {nbytes:,} bytes ({100 * nbytes / total:.1f}%)" in text
     shares = [
-        float(line.rsplit("(", 1)[1].rstrip("%)"))
+        float(line.split(" bytes (", 1)[1].split("%)", 1)[0])
         for line in text.splitlines()
         if line.startswith("pserver ")
     ]
+    assert all("ms a step" in line for line in text.splitlines() if line.startswith("pserver "))
     assert len(shares) == 2 and sum(shares) == pytest.approx(100, abs=0.1)
     assert text.rstrip("\n") in result.stdout  # what the command printed
     shown = subprocess.run(
