@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import fluidps  # noqa: E402
 from bench.bandwidth import zmq_bandwidth  # noqa: E402
 from fluidps import layers  # noqa: E402
-from fluidps.cli.calibrate_cmd import measure_stage_overhead  # noqa: E402
+from fluidps.cli.calibrate_cmd import measure_stage_costs  # noqa: E402
 from fluidps.cli.stage_timing import time_stages  # noqa: E402
 from fluidps.executor.calibrate import calibrate  # noqa: E402
 from fluidps.executor.op_profile import profile_ops  # noqa: E402
@@ -177,9 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     common = {"cores": CORES, "batch": args.batch, "microbatches": m, "stages": STAGES}
 
     model, fitted = calibrate(calls=5 if args.quick else 40)
-    model = dataclasses.replace(
-        model, stage_overhead_s=measure_stage_overhead(model, 5 if args.quick else 20)
-    )
+    overhead, per_byte = measure_stage_costs(model, 5 if args.quick else 20)
+    model = dataclasses.replace(model, stage_overhead_s=overhead, stage_byte_s=per_byte)
     raw = zmq_bandwidth(4096, 5 if args.quick else 200)
     print(json.dumps({
         "bench": "placement", "row": "transport", "alpha_us": round(model.alpha_s * 1e6, 1),
@@ -188,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         "raw_pyzmq_4k_push_us": round(raw["push"] * 1e6, 1), "gemm_gflops": round(model.gemm_flops / 1e9, 1),
         "bandwidth_gbs": round(model.bandwidth / 1e9, 1), "op_overhead_us": round(model.op_overhead_s * 1e6, 2),
         "stage_overhead_us": round(model.stage_overhead_s * 1e6, 1),
+        "stage_ns_per_byte": round(model.stage_byte_s * 1e9, 4),
         **common}))  # fmt: skip
 
     plain, plain_startup, _, _ = build(args, None, None)
@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     main_program, startup, loss, opt = build(args, None, config, cost)
     placement = opt.placement
     layer_ops = [i for i, t in zip(placement.forward_ops, placement.op_types, strict=True) if t == "mul"]
-    auto_cut = sum(1 for i in layer_ops if i < placement.forward_ops[placement.cuts[1]])
+    first_of_stage_1 = placement.ops_of(1)[0]
+    auto_cut = sum(1 for i in layer_ops if i < first_of_stage_1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CostModelWarning)
         now = place_pipeline(main_program, STAGES, m, fresh_cost(), args.batch)  # (its cut, timed again)
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     equal_cut = (hidden + 1) // 2  # half of the fc layers (the classifier's included) on each stage
     print(json.dumps({
         "bench": "placement", "row": "auto", "cut_after_layers": auto_cut,
-        "cut_op": placement.forward_ops[placement.cuts[1]], **auto,
+        "cut_op": first_of_stage_1, "method": placement.method, **auto,
         "best_cut": best_cut, "best_step_ms": splits[best_cut]["step_ms"],
         "equal_cut": equal_cut, "equal_step_ms": splits[equal_cut]["step_ms"],
         "vs_best": round(auto["step_ms"] / splits[best_cut]["step_ms"], 3),

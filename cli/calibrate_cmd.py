@@ -19,31 +19,42 @@ from fluidps.transpiler.cost_model import MachineModel
 _MICRO_BATCHES = 8
 
 
-def measure_stage_overhead(model: MachineModel, steps: int = 20) -> float:
-    """Seconds a pipeline stage process spends on a micro-batch besides its ops and
-    messages: a two-stage job (`RemoteExecutor`, one process per stage) of a model too
-    small to compute anything, each stage's busy time a micro-batch, less its two
-    messages' own work and its ops' fixed costs as `model` counts them."""
+def measure_stage_costs(model: MachineModel, steps: int = 20) -> tuple[float, float]:
+    """(seconds, seconds a byte) a pipeline stage process spends on a micro-batch besides
+    its ops and messages, and on each byte of a message it sends or receives: two-stage
+    jobs (`RemoteExecutor`, one process per stage) of a model too small to compute
+    anything, passing 64 bytes and then 256 KiB a micro-batch; each stage's busy time a
+    micro-batch, less what `model` counts for its messages' fixed cost and its ops."""
+    small = _stage_busy(4, steps)
+    wide = _stage_busy(_WIDE, steps)
+    nbytes = {4: _ROWS * 4 * 4, _WIDE: _ROWS * _WIDE * 4}  # float32 [rows, width], each way
+    per_byte = max((wide - small) / (2 * (nbytes[_WIDE] - nbytes[4])), 0.0)  # (a message each way)
+    ops = 5  # a stage's share of the small model's ops, about
+    overhead = small - 2 * (model.send_cpu_s + per_byte * nbytes[4]) - ops * model.op_overhead_s
+    return max(overhead, 0.0), per_byte
+
+
+_ROWS = 2  # a micro-batch's
+_WIDE = 32768  # the wide job's activation: 256 KiB a micro-batch
+
+
+def _stage_busy(width: int, steps: int) -> float:
+    """Mean busy seconds a micro-batch of the two stages of x[4] -> fc(width) | fc(2) -> loss."""
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = 1
     with fluidps.program_guard(main, startup):
         x = layers.data("x", [4])
         y = layers.data("y", [1], dtype="int64")
         with fluidps.device_guard("stage:0"):
-            h = layers.fc(x, 4, act="relu")
+            h = layers.fc(x, width, act="relu")
         with fluidps.device_guard("stage:1"):
             loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 2), y))
         fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.SGD(0.1), _MICRO_BATCHES).minimize(loss)
-    ops = len(main.global_block().ops) / 2  # (each stage's share of them, about)
+    rows = _ROWS * _MICRO_BATCHES
     rng = np.random.default_rng(0)
-    feed = {
-        "x": rng.random((2 * _MICRO_BATCHES, 4), np.float32),
-        "y": np.zeros((2 * _MICRO_BATCHES, 1), np.int64),
-    }
+    feed = {"x": rng.random((rows, 4), np.float32), "y": np.zeros((rows, 1), np.int64)}
     _, busy = time_stages(main, startup, [feed], steps)
-    per_micro_batch = statistics.mean(busy) / _MICRO_BATCHES
-    accounted = 2 * model.message_cpu_seconds(4 * 4 * 2) + ops * model.op_overhead_s
-    return max(per_micro_batch - accounted, 0.0)
+    return statistics.mean(busy) / _MICRO_BATCHES
 
 
 @click.command()
@@ -59,12 +70,14 @@ def calibrate(output: str | None, calls: int) -> None:
     op's and a program run's fixed costs), a message between two processes over
     fluidps's transport (alpha + beta * bytes, and the sender's own work), and what a
     pipeline stage process spends on a micro-batch besides its ops and messages; store
-    them for placement by cost."""
+    them for placement by cost (a pipeline's messages cost its stages per byte what two
+    stage processes measured, not what the round trips alone say)."""
     from fluidps.executor.calibrate import calibrate as measure
 
     try:
         model, fitted = measure(calls)
-        model = dataclasses.replace(model, stage_overhead_s=measure_stage_overhead(model))
+        overhead, per_byte = measure_stage_costs(model)
+        model = dataclasses.replace(model, stage_overhead_s=overhead, stage_byte_s=per_byte)
     except Error as e:
         fail(str(e))
     path = model.save(output)
@@ -78,6 +91,7 @@ def calibrate(output: str | None, calls: int) -> None:
         f"  message          {model.alpha_s * 1e6:8.1f} us + {model.beta_s * 1e9:.3f} ns/byte on its way"
     )
     click.echo(f"  sending one      {model.send_cpu_s * 1e6:8.1f} us of the sender's time")
+    click.echo(f"  a byte to a stage {model.stage_byte_s * 1e9:7.3f} ns at each end")
     for size, seconds in fitted["round_trips"]:
         click.echo(f"    round trip of {size:>9,} bytes: {seconds * 1e6:8.1f} us")
     click.echo(f"stored in {path}")

@@ -161,11 +161,12 @@ def _to_dict(p: Placement) -> dict:
         "micro_batches": p.micro_batches,
         "schedule": p.schedule_mode,
         "rows": p.rows,
+        "method": p.method,
         "predicted_step_ms": round(p.predicted_step_s * 1e3, 4),
         "stages": [
             {
                 "stage": k,
-                "ops": list(p.forward_ops[p.cuts[k] : p.cuts[k + 1]]),
+                "ops": p.ops_of(k),
                 "compute_ms": round(p.compute_s[k] * 1e3, 4),
                 "messages_ms": round(p.message_s[k] * 1e3, 4),
                 "waits_ms": round(p.wait_s[k] * 1e3, 4),

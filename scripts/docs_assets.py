@@ -40,6 +40,8 @@ COMMANDS = [
     ["inspect"],
     ["dot"],
     ["transpile"],
+    ["place"],
+    ["calibrate"],
     ["launch"],
     ["serve"],
     ["data"],

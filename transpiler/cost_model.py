@@ -85,10 +85,11 @@ class MachineModel:
     costs), `run_overhead_s` (what an executor's run of a program costs besides its
     ops), `stage_overhead_s` (what a pipeline stage process spends on each micro-batch
     besides its ops and messages: its runner, its channel, its serving thread, running
-    its two programs). A message of b bytes between two processes arrives alpha_s + beta_s * b after
-    it is sent, and costs each end send_cpu_s + beta_s * b of its own time (encoding or
-    decoding, copying): the rest of alpha_s is waiting, which a pipeline overlaps with
-    other micro-batches' work once it is full."""
+    its two programs). A message of b bytes between two processes arrives alpha_s +
+    beta_s * b after it is sent, and costs each end send_cpu_s + stage_byte_s * b of its
+    own time (encoding or decoding, copying; stage_byte_s as a stage process pays it,
+    beta_s when not measured): the rest of alpha_s is waiting, which a pipeline overlaps
+    with other micro-batches' work once it is full."""
 
     gemm_flops: float
     bandwidth: float
@@ -98,6 +99,7 @@ class MachineModel:
     alpha_s: float
     beta_s: float
     send_cpu_s: float
+    stage_byte_s: float | None = None
     machine: str = ""
     calibrated: bool = False
 
@@ -117,6 +119,9 @@ class MachineModel:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise Error(f"MachineModel.{name} must be a number >= 0, got {value!r}")
+        byte = self.stage_byte_s
+        if byte is not None and not (isinstance(byte, int | float) and math.isfinite(byte) and byte >= 0):
+            raise Error(f"MachineModel.stage_byte_s must be a number >= 0 or None, got {byte!r}")
 
     def message_seconds(self, nbytes: float) -> float:
         """From sending a message of `nbytes` to its arrival."""
@@ -124,7 +129,8 @@ class MachineModel:
 
     def message_cpu_seconds(self, nbytes: float) -> float:
         """What one end of a message of `nbytes` spends on it."""
-        return self.send_cpu_s + self.beta_s * nbytes
+        per_byte = self.beta_s if self.stage_byte_s is None else self.stage_byte_s
+        return self.send_cpu_s + per_byte * nbytes
 
     def save(self, path: Path | str | None = None) -> Path:
         path = Path(path) if path is not None else calibration_path()
@@ -171,7 +177,9 @@ def load_machine(path: Path | str | None = None) -> MachineModel:
         "machine",
     )
     try:
-        model = MachineModel(**{k: data[k] for k in fields}, calibrated=True)
+        model = MachineModel(
+            **{k: data[k] for k in fields}, stage_byte_s=data.get("stage_byte_s"), calibrated=True
+        )
     except (KeyError, TypeError) as e:
         raise Error(f"{path}: not a fluidps calibration ({e}); run `fluidps calibrate` again") from None
     if model.machine != machine_id():

@@ -35,17 +35,14 @@ import numpy as np
 
 from fluidps.errors import UnsupportedError
 from fluidps.ir.devices import PipelineConfig, stage_device
-from fluidps.ir.program import Block, Program
-from fluidps.ir.stages import EVERY_STAGE, assign_stages, explicit_stage, forward_name, phase
+from fluidps.ir.program import Program
+from fluidps.ir.stages import EVERY_STAGE, assign_stages, explicit_stage, phase
 from fluidps.ir.types import (
-    EMPTY_VAR_NAME,
-    GRAD_SUFFIX,
     OP_DEVICE_ATTR,
-    OP_ROLE_ATTR,
-    OP_ROLE_VAR_ATTR,
-    OpRole,
 )
-from fluidps.transpiler.cost_model import CostModel, CostModelWarning, var_bytes
+from fluidps.transpiler.cost_model import CostModel, CostModelWarning
+from fluidps.transpiler.graph_placement import list_schedule
+from fluidps.transpiler.stage_costs import evaluate, in_flight, stages_of_cuts, unit_of_ops, units_of
 
 _INF = float("inf")
 
@@ -148,14 +145,17 @@ def best_cuts(
 @dataclass(frozen=True)
 class Placement:
     """Where each forward op runs and what the model predicts for each stage (per
-    micro-batch seconds; bytes a stage keeps)."""
+    micro-batch seconds; bytes a stage keeps). `method`: "cuts" (stage k holds a run of
+    ops in program order) or "list" (list scheduling: a stage's ops need not be next to
+    each other, as the two towers of a model)."""
 
     num_stages: int
     micro_batches: int
     schedule_mode: str
     rows: int  # of a mini-batch
     forward_ops: tuple[int, ...]  # block-0 indices of the units, in order
-    cuts: tuple[int, ...]  # unit boundaries: stage k holds units cuts[k] .. cuts[k + 1] - 1
+    unit_stages: tuple[int, ...]  # the stage of each unit
+    method: str
     compute_s: tuple[float, ...]  # its ops, and running its programs
     message_s: tuple[float, ...]  # its own work on the messages it sends and receives
     wait_s: tuple[float, ...]  # its received messages' time on their way (the pipeline's fill)
@@ -169,27 +169,34 @@ class Placement:
         return tuple(c + m for c, m in zip(self.compute_s, self.message_s, strict=True))
 
     def stage_of_unit(self, unit: int) -> int:
-        return next(k for k in range(self.num_stages) if self.cuts[k] <= unit < self.cuts[k + 1])
+        return self.unit_stages[unit]
+
+    def ops_of(self, stage: int) -> list[int]:
+        """The block-0 indices of the forward ops stage `stage` runs."""
+        return [op for op, k in zip(self.forward_ops, self.unit_stages, strict=True) if k == stage]
 
     def op_stages(self) -> dict[int, int]:
         """Block-0 op index -> stage, for the forward ops."""
-        return {op: self.stage_of_unit(u) for u, op in enumerate(self.forward_ops)}
+        return dict(zip(self.forward_ops, self.unit_stages, strict=True))
 
     def summary(self) -> str:
         m = self.micro_batches
+        how = "cuts in program order" if self.method == "cuts" else "list scheduling"
         lines = [
             f"placement: {self.num_stages} stages, {m} micro-batches of {self.rows // m} rows, "
-            f"{self.schedule_mode}; predicted step {self.predicted_step_s * 1e3:.3f} ms",
+            f"{self.schedule_mode}, by {how}; predicted step {self.predicted_step_s * 1e3:.3f} ms",
             f"{'stage':>5}  {'ops':>9}  {'compute ms':>10}  {'messages ms':>11}  {'waits ms':>8}  "
             f"{'memory MB':>9}  first .. last op",
         ]
         for k in range(self.num_stages):
-            a, b = self.cuts[k], self.cuts[k + 1]
-            ops = f"{self.forward_ops[a]}..{self.forward_ops[b - 1]}"
+            ops = self.ops_of(k)
+            span = (
+                f"{ops[0]}..{ops[-1]}" if ops == list(range(ops[0], ops[0] + len(ops))) else f"{len(ops)} ops"
+            )
+            first, last = (self.op_types[self.forward_ops.index(i)] for i in (ops[0], ops[-1]))
             lines.append(
-                f"{k:>5}  {ops:>9}  {self.compute_s[k] * 1e3:>10.3f}  {self.message_s[k] * 1e3:>11.3f}  "
-                f"{self.wait_s[k] * 1e3:>8.3f}  {self.memory_bytes[k] / 2**20:>9.2f}  "
-                f"{self.op_types[a]} .. {self.op_types[b - 1]}"
+                f"{k:>5}  {span:>9}  {self.compute_s[k] * 1e3:>10.3f}  {self.message_s[k] * 1e3:>11.3f}  "
+                f"{self.wait_s[k] * 1e3:>8.3f}  {self.memory_bytes[k] / 2**20:>9.2f}  {first} .. {last}"
             )
         lines.append(
             "(per micro-batch: compute and messages are the stage's own work, its updates spread over"
@@ -198,150 +205,6 @@ class Placement:
             " the step; waits delay the first micro-batch only. step = stages + waits + (m - 1) x slowest)"
         )
         return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class _Units:
-    ops: tuple[int, ...]  # block-0 op index of each unit
-    compute: np.ndarray  # seconds per micro-batch
-    param_bytes: np.ndarray  # parameters, their gradient sums and optimizer state, first read here
-    stash_bytes: np.ndarray  # what one micro-batch's forward keeps for its backward
-    messages: np.ndarray  # (n + 1, n + 1): a stage holding units i .. j - 1: its work on messages
-    waits: np.ndarray  # (n + 1, n + 1): ... and its received messages' time on their way
-    cut_ok: np.ndarray  # (n + 1,): may a stage start (or end) at this unit boundary
-    pins: tuple[int | None, ...]  # the stage a device_guard gave each unit
-
-
-def unit_of_ops(block: Block) -> tuple[tuple[int, ...], list[int | None]]:
-    """The forward ops of `block` (the units), and for every op of it the unit it goes
-    with: a forward op its own; a backward op the forward op that makes the variable
-    whose gradient it reads (else writes); an update the first forward op that reads its
-    parameter; None for what runs on every stage (learning-rate schedules)."""
-    ops = list(block.ops)
-    units = tuple(i for i, op in enumerate(ops) if phase(op) == "forward")
-    unit_of: list[int | None] = [None] * len(ops)
-    maker: dict[str, int] = {}
-    first_reader: dict[str, int] = {}
-    for u, i in enumerate(units):
-        unit_of[i] = u
-        for name in _names(ops[i].input_arg_names):
-            first_reader.setdefault(name, u)
-        for name in _names(ops[i].output_arg_names):
-            maker.setdefault(name, u)
-    for i, op in enumerate(ops):
-        kind = phase(op)
-        if kind == "backward":
-            grads = [n for n in _names(op.input_arg_names) if GRAD_SUFFIX in n]
-            bases = [forward_name(n) for n in grads or _names(op.output_arg_names)]
-            made = [maker[b] for b in bases if b in maker]
-            read = [first_reader[b] for b in bases if b in first_reader]  # a parameter's gradient parts
-            unit_of[i] = max(made) if made else (min(read) if read else None)
-        elif kind == "optimize" and not (op.attr(OP_ROLE_ATTR) & OpRole.LRSched):
-            pairs = op.attr(OP_ROLE_VAR_ATTR) if op.has_attr(OP_ROLE_VAR_ATTR) else []
-            unit_of[i] = first_reader.get(pairs[0]) if pairs else None
-    return units, unit_of
-
-
-def _names(names: Sequence[str]) -> list[str]:
-    return [n for n in names if n != EMPTY_VAR_NAME]
-
-
-def _units(program: Program, cost: CostModel, micro_rows: int, micro_batches: int) -> _Units:
-    block = program.global_block()
-    ops = list(block.ops)
-    units, unit_of = unit_of_ops(block)
-    n = len(units)
-    persistable = {name for name, v in block.vars.items() if v.persistable}
-    compute = np.zeros(n)
-    param_bytes = np.zeros(n)
-    stash = [dict[str, int]() for _ in range(n)]
-    readers: dict[str, set[int]] = {}
-    maker: dict[str, int] = {}
-    for i, op in enumerate(ops):
-        u = unit_of[i]
-        if u is None:
-            continue
-        seconds = cost.op_seconds(block, op, micro_rows)
-        kind = phase(op)
-        if kind == "optimize":
-            compute[u] += seconds / micro_batches
-            param = op.input("Param")[0] if op.input("Param") else None
-            if param is not None:
-                state = [n for n in _names(op.input_arg_names) if n in persistable and n != param]
-                grad = [n for n in op.input("Grad")]
-                param_bytes[u] += sum(var_bytes(block, x, micro_rows) for x in {param, *state, *grad})
-            continue
-        compute[u] += seconds
-        for name in _names(op.input_arg_names):
-            if name in persistable:
-                continue
-            if name in maker and maker[name] != u:
-                readers.setdefault(name, set()).add(u)
-            if kind == "backward" and GRAD_SUFFIX not in name:
-                stash[u][name] = var_bytes(block, name, micro_rows)
-        if kind == "forward":
-            for name in _names(op.output_arg_names):
-                if name not in persistable:
-                    maker.setdefault(name, u)
-    messages, waits = _message_matrices(block, n, maker, readers, cost, micro_rows)
-    cut_ok = np.ones(n + 1, dtype=bool)
-    written: dict[str, list[int]] = {}
-    for u, i in enumerate(units):
-        for name in _names(ops[i].output_arg_names):
-            if name not in persistable:
-                written.setdefault(name, []).append(u)
-    for us in written.values():  # a value written by several ops has one stage: no cut between them
-        cut_ok[min(us) + 1 : max(us) + 1] = False
-    pins = tuple(explicit_stage(ops[i], i) for i in units)
-    stash_bytes = np.array([sum(s.values()) for s in stash], float)
-    return _Units(units, compute, param_bytes, stash_bytes, messages, waits, cut_ok, pins)
-
-
-def _message_matrices(
-    block: Block, n: int, maker: dict[str, int], readers: dict[str, set[int]], cost: CostModel, rows: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """For a stage holding units i .. j - 1, per micro-batch: the seconds its own work on
-    messages takes (each value made before i that it reads, each it makes that a later
-    stage reads, and each one's gradient the other way: encoding or decoding, copying),
-    and the seconds its received messages spend on their way. Each built from
-    rectangles in (i, j) on a difference array."""
-    work, wait = np.zeros((n + 2, n + 2)), np.zeros((n + 2, n + 2))
-
-    def add(
-        diff: np.ndarray, i0: int, i1: int, j0: int, j1: int, value: float
-    ) -> None:  # i in [i0, i1], j in [j0, j1]
-        if i0 > i1 or j0 > j1 or value == 0:
-            return
-        diff[i0, j0] += value
-        diff[i0, j1 + 1] -= value
-        diff[i1 + 1, j0] -= value
-        diff[i1 + 1, j1 + 1] += value
-
-    for name, read in readers.items():
-        a = maker[name]
-        later = sorted(r for r in read if r > a)
-        if not later:
-            continue
-        nbytes = var_bytes(block, name, rows)
-        has_grad = block.find_var(name + GRAD_SUFFIX) is not None  # (its gradient comes back)
-        each = (2 if has_grad else 1) * cost.message_cpu_seconds(nbytes)
-        way = cost.message_seconds(nbytes)
-        # made inside [i, j), read at or after j: sent (and its gradient received)
-        add(work, 0, a, a + 1, later[-1], each)
-        add(wait, 0, a, a + 1, later[-1], way if has_grad else 0.0)
-        previous = a
-        for r in later:  # made before i, read inside [i, j): received (and its gradient sent)
-            add(work, previous + 1, r, r + 1, n, each)
-            add(wait, previous + 1, r, r + 1, n, way)
-            previous = r
-    return tuple(np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1] for d in (work, wait))
-
-
-def in_flight(schedule_mode: str, stage: int, num_stages: int, micro_batches: int) -> int:
-    """How many micro-batches' activations stage `stage` keeps at most (PipelinePlan.schedule)."""
-    if schedule_mode == "F-then-B":
-        return micro_batches
-    return min(num_stages - stage, micro_batches)
 
 
 def place_pipeline(
@@ -363,16 +226,14 @@ def place_pipeline(
         )
     micro_rows = rows // micro_batches
     _check_coverage(program, cost, micro_rows)
-    units = _units(program, cost, micro_rows, micro_batches)
+    units = units_of(program, cost, micro_rows, micro_batches)
     n, p = len(units.ops), num_stages
     if n < p:
         raise UnsupportedError(
             f"{p} pipeline stages need at least {p} forward ops, and the program has {n}: use fewer stages"
         )
     prefix = np.concatenate([[0.0], np.cumsum(units.compute)])
-    # (a stage's own cost of each micro-batch, and of running its update once a step)
-    runs = cost.machine.stage_overhead_s + cost.machine.run_overhead_s / micro_batches
-    compute = prefix[None, :] - prefix[:, None] + runs
+    compute = prefix[None, :] - prefix[:, None] + units.run_s
     times = compute + units.messages
     params = np.concatenate([[0.0], np.cumsum(units.param_bytes)])
     stash = np.concatenate([[0.0], np.cumsum(units.stash_bytes)])
@@ -391,25 +252,38 @@ def place_pipeline(
         raise UnsupportedError(
             f"op #{units.ops[int(np.argmax(pinned))]} is placed on stage {too_far}, but the pipeline has {p} stages"
         )
+    uncapped = allowed.copy()
+    if memory_cap is not None:
+        allowed &= memory <= memory_cap
     found = best_cuts(times, p, micro_batches, allowed, units.waits)
-    if found is None:
+    candidates = []  # (method, stage of each unit)
+    if found is not None:
+        candidates.append(("cuts", stages_of_cuts(found[0])))
+    listed = list_schedule(units, p, micro_batches, schedule_mode, memory_cap)
+    if listed is not None:
+        candidates.append(("list", listed))
+    if not candidates:
+        fastest = (
+            best_cuts(times, p, micro_batches, uncapped, units.waits) if memory_cap is not None else None
+        )
+        if fastest is not None:
+            keeps = max(
+                evaluate(units, stages_of_cuts(fastest[0]), p, micro_batches, schedule_mode).memory_bytes
+            )
+            raise UnsupportedError(
+                f"no placement on {p} stages keeps every stage under the memory cap of {memory_cap:,} bytes "
+                f"(the fastest placement's largest stage keeps {keeps:,}): raise the cap, add stages, or keep "
+                "fewer micro-batches in flight (schedule 1F1B)"
+            )
         raise UnsupportedError(
             f"no placement of the program's {n} forward ops on {p} stages keeps its device_guards in order "
             "and cuts only between ops that write different variables: check the guards' stage order"
         )
-    if memory_cap is not None:
-        capped = allowed & (memory <= memory_cap)
-        found_capped = best_cuts(times, p, micro_batches, capped, units.waits)
-        if found_capped is None:
-            uncapped = max(memory[k, a, b] for k, (a, b) in enumerate(itertools.pairwise(found[0])))
-            raise UnsupportedError(
-                f"no placement on {p} stages keeps every stage under the memory cap of {memory_cap:,} bytes "
-                f"(the fastest placement's largest stage keeps {int(uncapped):,}): raise the cap, add stages, "
-                "or keep fewer micro-batches in flight (schedule 1F1B)"
-            )
-        found = found_capped
-    cuts, step = found
-    pairs = list(itertools.pairwise(cuts))
+    scored = [
+        (evaluate(units, stages, p, micro_batches, schedule_mode), method, stages)
+        for method, stages in candidates
+    ]
+    costs, method, stages = min(scored, key=lambda c: c[0].step_s)  # (ties: the cuts, listed first)
     block = program.global_block()
     return Placement(
         num_stages=p,
@@ -417,12 +291,13 @@ def place_pipeline(
         schedule_mode=schedule_mode,
         rows=rows,
         forward_ops=units.ops,
-        cuts=cuts,
-        compute_s=tuple(float(compute[a, b]) for a, b in pairs),
-        message_s=tuple(float(units.messages[a, b]) for a, b in pairs),
-        wait_s=tuple(float(units.waits[a, b]) for a, b in pairs),
-        memory_bytes=tuple(int(memory[k, a, b]) for k, (a, b) in enumerate(pairs)),
-        predicted_step_s=step,
+        unit_stages=tuple(stages),
+        method=method,
+        compute_s=costs.compute_s,
+        message_s=costs.message_s,
+        wait_s=costs.wait_s,
+        memory_bytes=costs.memory_bytes,
+        predicted_step_s=costs.step_s,
         op_types=tuple(block.ops[i].type for i in units.ops),
     )
 

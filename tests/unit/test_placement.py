@@ -238,7 +238,7 @@ def test_a_memory_cap_moves_the_cut_where_it_fits():
     free = place_pipeline(plain, 2, 4, model, 64)
     cap = int(max(free.memory_bytes) * 0.999)  # the fastest placement no longer fits
     capped = place_pipeline(plain, 2, 4, model, 64, memory_cap=cap)
-    assert max(capped.memory_bytes) <= cap and capped.cuts != free.cuts
+    assert max(capped.memory_bytes) <= cap and capped.unit_stages != free.unit_stages
     assert capped.predicted_step_s >= free.predicted_step_s
 
 
@@ -377,3 +377,66 @@ def test_cost_placement_keeps_a_tables_block_k_on_pserver_k_and_balances_around_
     table = [s for s in plan.slices if s.distributed]
     assert [s.endpoint for s in table] == ENDPOINTS.split(",")
     assert max(plan.loads().values()) <= 1.1 * sum(plan.loads().values()) / 3
+
+
+# -- programs that are not one chain -------------------------------------------------------
+
+
+def two_towers(pipeline=None):
+    """Two towers of three layers each over one input, built interleaved (a layer of one,
+    then of the other), joined by a sum: cut anywhere in program order, both towers'
+    activations cross; a tower a stage sends one."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 4
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [32])
+        y = layers.data("y", [1], dtype="int64")
+        a = b = x
+        for _ in range(3):
+            a = layers.fc(a, 256, act="relu")
+            b = layers.fc(b, 256, act="relu")
+        logits = layers.fc(layers.elementwise_add(a, b), 4)
+        loss = layers.mean(layers.softmax_with_cross_entropy(logits, y))
+        inner = fluidps.optimizer.SGD(0.05)
+        opt = fluidps.optimizer.PipelineOptimizer(inner, **pipeline) if pipeline else inner
+        opt.minimize(loss)
+    return main, startup, loss, opt
+
+
+def test_two_towers_are_placed_one_a_stage_by_list_scheduling_and_train_as_the_plain_program():
+    # messages dear next to compute (1 ns a byte): sending one tower's output beats two
+    machine = MachineModel(5e10, 5e9, 1e-6, 1e-5, 1e-4, 1e-4, 1e-9, 1e-5)
+    config = {"num_microbatches": 4, "num_stages": 2, "batch_size": 64, "cost_model": CostModel(machine)}
+    main, startup, loss, opt = two_towers(config)
+    placement = opt.placement
+    assert placement.method == "list"
+    block = main.global_block()
+    towers = {}
+    for i in placement.forward_ops:  # each tower's muls: every other fc before the join
+        op = block.ops[i]
+        if op.type == "mul" and op.input("Y")[0] in {f"fc_{k}.w_0" for k in range(6)}:
+            k = int(op.input("Y")[0].split("_")[1].split(".")[0])
+            towers.setdefault(k % 2, set()).add(placement.op_stages()[i])
+    assert sorted(towers.values(), key=min) == [{0}, {1}]  # one tower on each stage
+    chain_only, *_ = two_towers()
+    plain = place_pipeline(chain_only, 2, 4, CostModel(machine), 64)
+    assert plain.method == "list" and placement.predicted_step_s == pytest.approx(plain.predicted_step_s)
+
+    reference, reference_startup, reference_loss, _ = two_towers()
+    rng = np.random.default_rng(1)
+    feeds = [{"x": rng.random((64, 32), np.float32), "y": rng.integers(0, 4, (64, 1))} for _ in range(3)]
+    local, piped = fluidps.Executor(), fluidps.Executor()
+    local.run(reference_startup)
+    piped.run(startup)
+    for feed in feeds:
+        (a,) = local.run(reference, feed=feed, fetch_list=[reference_loss])
+        (b,) = piped.run(main, feed=feed, fetch_list=[loss])
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_chain_keeps_its_exact_cuts_when_list_scheduling_does_no_better():
+    plain, *_ = unbalanced_mlp()
+    placement = place_pipeline(plain, 2, 4, CostModel(ANALYTIC), 64)
+    assert placement.method == "cuts"
+    stages = list(placement.unit_stages)
+    assert stages == sorted(stages)  # a run of ops in program order each
