@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     program = Program.parse_from_string(Path(args.main).read_bytes())
     startup = Program.parse_from_string(Path(args.startup).read_bytes())
-    with np.load(args.feed, allow_pickle=False) as data:
+    with np.load(args.feed) as data:  # (object arrays refused: numpy loads no pickles by default)
         feed = {name: data[name] for name in data.files}
     profile_ops(program, startup, feed, args.steps, args.micro_batches).save(args.out)
 

@@ -13,6 +13,14 @@ the program. The program stays an ordinary training program: an Executor runs
 it micro-batch by micro-batch through its stages (the same results as the
 whole batch at once), fluidps.PipelineTranspiler cuts it into one program per
 stage, and a RemoteExecutor runs those as processes.
+
+With `num_stages` and forward ops that no device_guard placed, `minimize` places
+those by a cost model (fluidps.transpiler.partition): where the predicted step of a
+`batch_size`-row mini-batch is least, every guarded op kept on its stage:
+
+    opt = fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.Adam(1e-3), num_microbatches=8, num_stages=2)
+    opt.minimize(loss)
+    print(opt.placement.summary())
 """
 
 from __future__ import annotations
@@ -66,7 +74,17 @@ class PipelineOptimizer:
         self.num_microbatches = num_microbatches
         self.schedule_mode = schedule_mode
         self.num_stages = num_stages
-        self.batch_size = batch_size or _DEFAULT_MICRO_ROWS * num_microbatches
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise BuilderError(
+                f"batch_size must be a positive integer (a mini-batch's rows), got {batch_size!r}"
+            )
+        if memory_cap is not None and (
+            isinstance(memory_cap, bool) or not isinstance(memory_cap, int) or memory_cap < 1
+        ):
+            raise BuilderError(f"memory_cap must be a positive number of bytes, got {memory_cap!r}")
+        self.batch_size = batch_size if batch_size is not None else _DEFAULT_MICRO_ROWS * num_microbatches
         self.cost_model = cost_model
         self.memory_cap = memory_cap
         self.placement: Placement | None = None  # what minimize chose, when it placed ops

@@ -25,7 +25,7 @@ import os
 import platform
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -165,20 +165,10 @@ def load_machine(path: Path | str | None = None) -> MachineModel:
         )
         return ANALYTIC
     data = _read_json(path, "calibration")
-    fields = (
-        "gemm_flops",
-        "bandwidth",
-        "op_overhead_s",
-        "run_overhead_s",
-        "stage_overhead_s",
-        "alpha_s",
-        "beta_s",
-        "send_cpu_s",
-        "machine",
-    )
+    measured = [f.name for f in fields(MachineModel) if f.name not in ("stage_byte_s", "calibrated")]
     try:
         model = MachineModel(
-            **{k: data[k] for k in fields}, stage_byte_s=data.get("stage_byte_s"), calibrated=True
+            **{k: data[k] for k in measured}, stage_byte_s=data.get("stage_byte_s"), calibrated=True
         )
     except (KeyError, TypeError) as e:
         raise Error(f"{path}: not a fluidps calibration ({e}); run `fluidps calibrate` again") from None

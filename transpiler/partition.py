@@ -1,27 +1,29 @@
-"""Pipeline cuts chosen by a cost model: which forward ops each stage runs.
+"""Pipeline stages chosen by a cost model: which forward ops each stage runs.
 
     placement = place_pipeline(main, num_stages=2, micro_batches=8, cost=CostModel.load(), rows=256)
     print(placement.summary())
 
-The units are the forward ops of block 0 in program order (a topological order of the
-forward graph); a stage holds a contiguous run of them, with the backward ops of each
-(a grad op goes with the forward op whose output's gradient it reads) and the updates
-of the parameters it reads first. A stage's time per micro-batch is its compute plus
-the messages it sends and receives (alpha + beta * bytes for each value that crosses a
-cut, forward and, where it has one, its gradient back), plus its updates spread over
-the m micro-batches. The predicted step is
+The units are the forward ops of block 0 with what goes with each (its grad ops, the
+updates of the parameters it reads first: fluidps.transpiler.stage_costs). A stage's
+time per micro-batch is its compute plus its own work on the messages it sends and
+receives; the messages' time on the way delays the first micro-batch only. The
+predicted step is
 
-    sum of the stage times + (m - 1) x the slowest stage
+    sum of the stage times + the waits + (m - 1) x the slowest stage
 
 (the first micro-batch crosses every stage, the other m - 1 follow at the slowest's
-pace). `best_cuts` minimizes it exactly: for a bound B on the slowest stage, a dynamic
-program over the cut points finds the least sum; the least sum only changes at the
-stage times themselves, so a walk down from the unbounded optimum visits each change
-once and stops when no smaller bound can win.
+pace). Two searches, and the faster prediction wins:
 
-Ops a device_guard placed keep their stage (the cuts go around them); a memory cap
-bounds each stage's parameters, optimizer state and the activations its schedule
-keeps. Everything here reads the program and never changes it.
+- `best_cuts`, exact over cuts of the program order (a stage holds a run of ops): for a
+  bound B on the slowest stage, a dynamic program over the cut points finds the least
+  sum; the least sum only changes at the stage times themselves, so a walk down from
+  the unbounded optimum visits each change once and stops when no smaller bound can win;
+- list scheduling over the graph (fluidps.transpiler.graph_placement), for programs
+  whose branches a cut of the program order would split badly.
+
+Ops a device_guard placed keep their stage; a memory cap bounds each stage's
+parameters, optimizer state and the activations its schedule keeps. Everything here
+reads the program and never changes it.
 """
 
 from __future__ import annotations
@@ -37,9 +39,7 @@ from fluidps.errors import UnsupportedError
 from fluidps.ir.devices import PipelineConfig, stage_device
 from fluidps.ir.program import Program
 from fluidps.ir.stages import EVERY_STAGE, assign_stages, explicit_stage, phase
-from fluidps.ir.types import (
-    OP_DEVICE_ATTR,
-)
+from fluidps.ir.types import OP_DEVICE_ATTR
 from fluidps.transpiler.cost_model import CostModel, CostModelWarning
 from fluidps.transpiler.graph_placement import list_schedule
 from fluidps.transpiler.stage_costs import evaluate, in_flight, stages_of_cuts, unit_of_ops, units_of

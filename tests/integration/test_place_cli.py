@@ -12,6 +12,7 @@ from pathlib import Path
 
 import fluidps
 from fluidps import layers
+from fluidps.ir.graph import STAGE_COLOURS
 from fluidps.transpiler.cost_model import load_machine, machine_id
 
 
@@ -72,6 +73,11 @@ def test_calibrate_then_place_measure_and_transpile_the_placed_program(tmp_path)
     assert report["measured_step_ms"] > 0
     assert all(s["measured_ms_per_step"] > 0 and s["predicted_ms_per_step"] > 0 for s in report["stages"])
     assert "1 thread(s)" in measured.stdout or "2 thread(s)" in measured.stdout
+
+    drawn = run("dot", str(tmp_path / "placed.pb"), "-o", str(tmp_path / "placed.dot"), env=env)
+    assert drawn.returncode == 0, drawn.stderr
+    dot = (tmp_path / "placed.dot").read_text()  # each op in its stage's colour: the cut shows
+    assert STAGE_COLOURS[0] in dot and STAGE_COLOURS[1] in dot and "cluster_legend" in dot
 
     stages = run("transpile", str(tmp_path / "placed.pb"), "--pipeline", "--microbatches", "4",
                  "-o", str(tmp_path / "stages"), env=env)  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 
 import fluidps
 from fluidps import layers
-from fluidps.errors import Error, UnsupportedError
+from fluidps.errors import BuilderError, Error, UnsupportedError
 from fluidps.executor.op_profile import profile_ops
 from fluidps.ir.stages import phase
 from fluidps.transpiler.cost_model import (
@@ -193,12 +193,17 @@ def test_a_placed_pipeline_trains_as_the_plain_program():
     assert main.pipeline.num_stages == 2 and opt.placement.num_stages == 2
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.random((16, 64), np.float32), "y": rng.integers(0, 10, (16, 1))} for _ in range(4)]
+    assert_trains_alike((plain, plain_startup, plain_loss), (main, startup, loss), feeds)
+
+
+def assert_trains_alike(reference, placed_one, feeds):
+    """Each (main, startup, loss) trained locally on `feeds`: the same losses, step by step."""
     local, piped = fluidps.Executor(), fluidps.Executor()
-    local.run(plain_startup)
-    piped.run(startup)
+    local.run(reference[1])
+    piped.run(placed_one[1])
     for feed in feeds:
-        (a,) = local.run(plain, feed=feed, fetch_list=[plain_loss])
-        (b,) = piped.run(main, feed=feed, fetch_list=[loss])
+        (a,) = local.run(reference[0], feed=feed, fetch_list=[reference[2]])
+        (b,) = piped.run(placed_one[0], feed=feed, fetch_list=[placed_one[2]])
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
@@ -230,6 +235,19 @@ def test_guards_out_of_order_more_stages_than_ops_and_an_impossible_memory_cap_a
         place_pipeline(plain, 2, 2, model, 8, memory_cap=1000)
     with pytest.raises(UnsupportedError, match="cannot be cut into 3 equal micro-batches"):
         place_pipeline(plain, 2, 3, model, 8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"batch_size": 2.5}, "batch_size must be a positive integer"),
+        ({"memory_cap": -1}, "memory_cap must be a positive number of bytes"),
+    ],
+)
+def test_bad_placement_arguments_are_refused_by_name(kwargs, message):
+    with pytest.raises(BuilderError, match=message):
+        fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.SGD(0.1), 2, num_stages=2, **kwargs)
 
 
 def test_a_memory_cap_moves_the_cut_where_it_fits():
@@ -425,13 +443,7 @@ def test_two_towers_are_placed_one_a_stage_by_list_scheduling_and_train_as_the_p
     reference, reference_startup, reference_loss, _ = two_towers()
     rng = np.random.default_rng(1)
     feeds = [{"x": rng.random((64, 32), np.float32), "y": rng.integers(0, 4, (64, 1))} for _ in range(3)]
-    local, piped = fluidps.Executor(), fluidps.Executor()
-    local.run(reference_startup)
-    piped.run(startup)
-    for feed in feeds:
-        (a,) = local.run(reference, feed=feed, fetch_list=[reference_loss])
-        (b,) = piped.run(main, feed=feed, fetch_list=[loss])
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert_trains_alike((reference, reference_startup, reference_loss), (main, startup, loss), feeds)
 
 
 def test_a_chain_keeps_its_exact_cuts_when_list_scheduling_does_no_better():
