@@ -31,12 +31,12 @@ from fluidps.errors import BuilderError
 from fluidps.ir.devices import PipelineConfig, stage_device
 from fluidps.ir.operator import Operator
 from fluidps.ir.program import Program
-from fluidps.ir.stages import EVERY_STAGE, assign_stages, explicit_stage, phase
+from fluidps.ir.stages import assign_stages, explicit_stage, phase
 from fluidps.ir.types import OP_DEVICE_ATTR
 from fluidps.ir.variable import Parameter, Variable
 from fluidps.optimizer.base import Optimizer
 from fluidps.transpiler.cost_model import CostModel
-from fluidps.transpiler.partition import Placement, place_pipeline, write_stages
+from fluidps.transpiler.partition import Placement, complete_stages, place_pipeline, write_stages
 
 _DEFAULT_MICRO_ROWS = 32  # a micro-batch's rows placement assumes when no batch_size is given
 
@@ -119,11 +119,8 @@ class PipelineOptimizer:
             for op, stage in zip(block.ops, forward.op_stages, strict=True):
                 op.set_attr(OP_DEVICE_ATTR, stage_device(stage))  # (backward copies it onto the grad ops)
             result = self.inner.minimize(loss, startup_program, parameter_list, no_grad_set)
-        placed = assign_stages(program, self.num_stages)
-        for op, stage in zip(block.ops, placed.op_stages, strict=True):
-            if stage != EVERY_STAGE and not (op.has_attr(OP_DEVICE_ATTR) and op.attr(OP_DEVICE_ATTR)):
-                op.set_attr(OP_DEVICE_ATTR, stage_device(stage))
-        program.pipeline = PipelineConfig(self.num_microbatches, self.schedule_mode, placed.num_stages)
+        stages = complete_stages(program, self.num_stages)
+        program.pipeline = PipelineConfig(self.num_microbatches, self.schedule_mode, stages)
         return result
 
     def _places(self, program: Program) -> bool:

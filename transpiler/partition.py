@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,18 +41,19 @@ from fluidps.ir.stages import EVERY_STAGE, assign_stages, explicit_stage, phase
 from fluidps.ir.types import OP_DEVICE_ATTR
 from fluidps.transpiler.cost_model import CostModel, CostModelWarning
 from fluidps.transpiler.graph_placement import list_schedule
-from fluidps.transpiler.stage_costs import evaluate, in_flight, stages_of_cuts, unit_of_ops, units_of
+from fluidps.transpiler.stage_costs import (  # noqa: F401 (step_seconds: the formula best_cuts minimizes)
+    evaluate,
+    in_flight,
+    stages_of_cuts,
+    step_seconds,
+    unit_of_ops,
+    units_of,
+)
 
 _INF = float("inf")
 
 
 # -- the exact search ----------------------------------------------------------------------
-
-
-def step_seconds(stage_seconds: Sequence[float], micro_batches: int, fill_seconds: float = 0.0) -> float:
-    """The predicted step of stages taking these seconds per micro-batch (and the
-    first micro-batch's `fill_seconds` of waiting for messages on its way)."""
-    return sum(stage_seconds) + fill_seconds + (micro_batches - 1) * max(stage_seconds)
 
 
 def best_cuts(
@@ -336,10 +336,19 @@ def placed(program: Program, placement: Placement) -> Program:
     and the pipeline's configuration (`program` is not changed)."""
     out = program.clone()
     write_stages(out, placement)
-    block = out.global_block()
-    stages = assign_stages(out, placement.num_stages)
+    complete_stages(out, placement.num_stages)
+    out.pipeline = PipelineConfig(placement.micro_batches, placement.schedule_mode, placement.num_stages)
+    return out
+
+
+def complete_stages(program: Program, num_stages: int | None = None) -> int:
+    """Give every op of `program` without a stage the one fluidps.ir.stages assigns it
+    (learning-rate schedule ops keep none: they run on every stage); returns how many
+    stages there are (`num_stages`, or as many as the program names). A builder's step,
+    as write_stages."""
+    block = program.global_block()
+    stages = assign_stages(program, num_stages)
     for index, (op, stage) in enumerate(zip(block.ops, stages.op_stages, strict=True)):
         if stage != EVERY_STAGE and explicit_stage(op, index) is None:
             op.set_attr(OP_DEVICE_ATTR, stage_device(stage))
-    out.pipeline = PipelineConfig(placement.micro_batches, placement.schedule_mode, placement.num_stages)
-    return out
+    return stages.num_stages

@@ -124,7 +124,6 @@ def units_of(program: Program, cost: CostModel, micro_rows: int, micro_batches: 
             for name in _names(op.output_arg_names):
                 if name not in persistable:
                     maker.setdefault(name, u)
-    messages, waits = _message_matrices(block, n, maker, readers, cost, micro_rows)
     cut_ok = np.ones(n + 1, dtype=bool)
     written: dict[str, list[int]] = {}
     for u, i in enumerate(units):
@@ -136,6 +135,7 @@ def units_of(program: Program, cost: CostModel, micro_rows: int, micro_batches: 
     pins = tuple(explicit_stage(ops[i], i) for i in units)
     stash_bytes = np.array([sum(s.values()) for s in stash], float)
     values = tuple(_values(block, maker, readers, cost, micro_rows))
+    messages, waits = _message_matrices(n, values)
     # (a stage's own cost of each micro-batch, and of running its update once a step)
     run_s = cost.machine.stage_overhead_s + cost.machine.run_overhead_s / micro_batches
     return Units(units, compute, param_bytes, stash_bytes, messages, waits, cut_ok, pins, values, run_s)
@@ -155,42 +155,31 @@ def _values(
     return out
 
 
-def _message_matrices(
-    block: Block, n: int, maker: dict[str, int], readers: dict[str, set[int]], cost: CostModel, rows: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _message_matrices(n: int, values: Sequence[Value]) -> tuple[np.ndarray, np.ndarray]:
     """For a stage holding units i .. j - 1, per micro-batch: the seconds its own work on
     messages takes (each value made before i that it reads, each it makes that a later
-    stage reads, and each one's gradient the other way: encoding or decoding, copying),
-    and the seconds its received messages spend on their way. Each built from
-    rectangles in (i, j) on a difference array."""
+    stage reads, and each one's gradient the other way), and the seconds its received
+    messages spend on their way: what `evaluate` counts for a run of units, for every
+    run at once, built from rectangles in (i, j) on a difference array."""
     work, wait = np.zeros((n + 2, n + 2)), np.zeros((n + 2, n + 2))
 
-    def add(
-        diff: np.ndarray, i0: int, i1: int, j0: int, j1: int, value: float
-    ) -> None:  # i in [i0, i1], j in [j0, j1]
-        if i0 > i1 or j0 > j1 or value == 0:
+    def add(diff: np.ndarray, i0: int, i1: int, j0: int, j1: int, value: float) -> None:
+        if i0 > i1 or j0 > j1 or value == 0:  # (i in [i0, i1], j in [j0, j1])
             return
         diff[i0, j0] += value
         diff[i0, j1 + 1] -= value
         diff[i1 + 1, j0] -= value
         diff[i1 + 1, j1 + 1] += value
 
-    for name, read in readers.items():
-        a = maker[name]
-        later = sorted(r for r in read if r > a)
-        if not later:
-            continue
-        nbytes = var_bytes(block, name, rows)
-        has_grad = block.find_var(name + GRAD_SUFFIX) is not None  # (its gradient comes back)
-        each = (2 if has_grad else 1) * cost.message_cpu_seconds(nbytes)
-        way = cost.message_seconds(nbytes)
+    for value in values:
+        a, later = value.maker, sorted(value.readers)
         # made inside [i, j), read at or after j: sent (and its gradient received)
-        add(work, 0, a, a + 1, later[-1], each)
-        add(wait, 0, a, a + 1, later[-1], way if has_grad else 0.0)
+        add(work, 0, a, a + 1, later[-1], value.work)
+        add(wait, 0, a, a + 1, later[-1], value.wait if value.grad else 0.0)
         previous = a
         for r in later:  # made before i, read inside [i, j): received (and its gradient sent)
-            add(work, previous + 1, r, r + 1, n, each)
-            add(wait, previous + 1, r, r + 1, n, way)
+            add(work, previous + 1, r, r + 1, n, value.work)
+            add(wait, previous + 1, r, r + 1, n, value.wait)
             previous = r
     return tuple(np.cumsum(np.cumsum(d, axis=0), axis=1)[: n + 1, : n + 1] for d in (work, wait))
 
@@ -216,6 +205,12 @@ class StageCosts:
     step_s: float
 
 
+def step_seconds(stage_seconds: Sequence[float], micro_batches: int, fill_seconds: float = 0.0) -> float:
+    """The predicted step of stages taking these seconds per micro-batch (and the
+    first micro-batch's `fill_seconds` of waiting for messages on its way)."""
+    return sum(stage_seconds) + fill_seconds + (micro_batches - 1) * max(stage_seconds)
+
+
 def evaluate(
     units: Units, stages: Sequence[int], num_stages: int, micro_batches: int, schedule_mode: str
 ) -> StageCosts:
@@ -238,7 +233,7 @@ def evaluate(
                 waits[home] += value.wait
     memory = [int(params[k] + in_flight(schedule_mode, k, p, micro_batches) * stash[k]) for k in range(p)]
     times = [c + m for c, m in zip(compute, messages, strict=True)]
-    step = sum(times) + sum(waits) + (micro_batches - 1) * max(times)
+    step = step_seconds(times, micro_batches, sum(waits))
     return StageCosts(tuple(compute), tuple(messages), tuple(waits), tuple(memory), step)
 
 
