@@ -9,7 +9,7 @@ Everything below is measured in one run, in this order:
   (alpha + beta * bytes) and this machine's rates, next to a raw pyzmq round trip of a
   small frame (bench.bandwidth's peer): what the model's messages are made of;
 - "profile": the program's ops timed on a micro-batch's rows (fluidps.executor.op_profile),
-  timed again before each run below, whose prediction uses the new times (this machine
+  next to a busy neighbor for each other stage that shares this host, timed again before each run below, whose prediction uses the new times (this machine
   drifts by up to a third between minutes);
 - "split": for every cut between layers (stage 0 holds the first `cut` hidden layers),
   the measured step (RemoteExecutor, one process per stage), each stage's measured busy
@@ -50,6 +50,7 @@ from fluidps.transpiler.partition import place_pipeline  # noqa: E402
 
 STAGES = 2
 CORES = os.cpu_count() or 1
+NEIGHBORS = min(STAGES, CORES) - 1  # the other stages that run on this host while one works
 
 
 def build(args, cut: int | None, pipeline: dict | None, cost: CostModel | None = None):
@@ -195,12 +196,15 @@ def main(argv: list[str] | None = None) -> None:
     def fresh_cost() -> CostModel:
         """The model with the ops timed now (this machine drifts: each prediction is made
         with times measured right before the run it predicts)."""
-        profile = profile_ops(plain, plain_startup, feeds(args, args.batch // m, 1)[0], args.profile_steps, m)
+        profile = profile_ops(
+            plain, plain_startup, feeds(args, args.batch // m, 1)[0], args.profile_steps, m, NEIGHBORS
+        )
         return CostModel(model, profile)
 
     start = time.perf_counter()
     cost = fresh_cost()
     print(json.dumps({"bench": "placement", "row": "profile", "signatures": len(cost.profile.seconds),
+                      "neighbors": NEIGHBORS,
                       "seconds": round(time.perf_counter() - start, 2), **common}))  # fmt: skip
 
     config = {"num_microbatches": m}

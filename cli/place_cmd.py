@@ -103,9 +103,12 @@ def place(
 def _measure(main: Program, startup: Program, rows: int, micro_batches: int, stages: int):
     """Time every op of `main` on `rows` rows of made-up data, scaled to a stage's step of
     `micro_batches` micro-batches (fluidps.executor.op_profile), in a process threaded as
-    each stage's will be (the cores shared by the stages), and store the times."""
-    threads = str(max((os.cpu_count() or 1) // stages, 1))
-    env = {**os.environ, **dict.fromkeys(_THREAD_VARS, threads)}
+    each stage's will be (the cores shared by the stages), next to a busy neighbor for each
+    other stage that runs at the same time on this host, and store the times."""
+    cores = os.cpu_count() or 1
+    threads = max(cores // stages, 1)
+    neighbors = min(stages, max(cores // threads, 1)) - 1
+    env = {**os.environ, **dict.fromkeys(_THREAD_VARS, str(threads))}
     with tempfile.TemporaryDirectory(prefix="fluidps-profile-") as work:
         files = {name: Path(work) / name for name in ("main.pb", "startup.pb", "feed.npz", "profile.json")}
         files["main.pb"].write_bytes(main.serialize_to_string())
@@ -113,7 +116,7 @@ def _measure(main: Program, startup: Program, rows: int, micro_batches: int, sta
         np.savez(files["feed.npz"], **made_up_feed(main, rows))
         command = [sys.executable, "-m", "fluidps.executor.op_profile", *map(str, files.values())]
         done = subprocess.run(
-            [*command, "--micro-batches", str(micro_batches)],
+            [*command, "--micro-batches", str(micro_batches), "--neighbors", str(neighbors)],
             env=env,
             capture_output=True,
             text=True,
@@ -124,7 +127,8 @@ def _measure(main: Program, startup: Program, rows: int, micro_batches: int, sta
         profile = OpProfile.load(files["profile.json"])
     path = profile.save()
     click.echo(
-        f"timed {len(profile.seconds)} op signatures on {rows} rows, {threads} thread(s); stored in {path}"
+        f"timed {len(profile.seconds)} op signatures on {rows} rows, {threads} thread(s), next to "
+        f"{neighbors} busy neighbor(s); stored in {path}"
     )
     return profile
 

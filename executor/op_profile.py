@@ -17,6 +17,11 @@ of `micro_batches` micro-batches, compiled, as a stage runs it (its forward and
 backward once per micro-batch, its updates once a step), and every op's time is
 scaled by that stage's busy time over what the ops' medians add up to for the same
 step: the profile keeps the ops' proportions and the executor's total.
+
+Stages that share a host slow each other down, small ops most (fluidps.executor.neighbors
+has the numbers). With `neighbors=k`, k processes run the program's steps while its ops
+and its reference step are timed, as a pipeline's other stages on the same host run
+while one stage works: the profile then holds the times such a stage sees.
 """
 
 from __future__ import annotations
@@ -30,29 +35,54 @@ import numpy as np
 
 from fluidps.errors import FeedError
 from fluidps.executor.executor import Executor, PreparedProgram
+from fluidps.executor.neighbors import busy_neighbors, one_stage, warm, whole_batch
 from fluidps.executor.scope import Scope
-from fluidps.ir.devices import PipelineConfig
 from fluidps.ir.program import Program
 from fluidps.ir.stages import phase
 from fluidps.transpiler.cost_model import OpProfile, machine_id, op_signature
 
 
 def profile_ops(
-    program: Program, startup: Program, feed: Mapping[str, Any], steps: int = 5, micro_batches: int = 1
+    program: Program,
+    startup: Program,
+    feed: Mapping[str, Any],
+    steps: int = 5,
+    micro_batches: int = 1,
+    neighbors: int = 0,
 ) -> OpProfile:
     """Each op of training program `program`'s global block timed over `steps` runs (after
     one untimed) on `feed` (one micro-batch's rows), scaled to a compiled stage's step of
-    `micro_batches` such micro-batches."""
+    `micro_batches` such micro-batches; next to `neighbors` processes running its steps."""
     rows = {np.shape(v)[0] for v in feed.values() if np.ndim(v) > 0}
     if len(rows) != 1:
         raise FeedError(f"profile_ops: every fed value needs the same number of rows, got {sorted(rows)}")
     (batch_rows,) = rows
+    block = program.global_block()
+    signatures = [op_signature(block, op, batch_rows) for op in block.ops]
+    with busy_neighbors(program, startup, feed, micro_batches, neighbors):
+        medians, busy = _timed(program, startup, feed, signatures, steps, micro_batches)
+    per_step = sum(
+        medians[s] * (1 if phase(op) == "optimize" else micro_batches)
+        for s, op in zip(signatures, block.ops, strict=True)
+    )
+    scale = busy / per_step if per_step > 0 else 1.0
+    return OpProfile(machine_id(), {s: t * scale for s, t in medians.items()})
+
+
+def _timed(
+    program: Program,
+    startup: Program,
+    feed: Mapping[str, Any],
+    signatures: list[str],
+    steps: int,
+    micro_batches: int,
+) -> tuple[dict[str, float], float]:
+    """(each op signature's median seconds through the interpreter, the compiled one-stage
+    pipeline's median busy seconds a step)."""
     scope = Scope()
     exe = Executor(compile=False)
     exe.run(startup, scope=scope)
     prepared = PreparedProgram(program, [])
-    block = program.global_block()
-    signatures = [op_signature(block, op, batch_rows) for op in block.ops]
     times: dict[str, list[float]] = {}
     for step in range(steps + 1):
         env = {name: scope.find(name) for name in prepared.scope_reads if scope.find(name) is not None}
@@ -65,13 +95,7 @@ def profile_ops(
             if name in env:
                 scope[name] = env[name]
     medians = {s: statistics.median(t) for s, t in times.items()}
-    per_step = sum(
-        medians[s] * (1 if phase(op) == "optimize" else micro_batches)
-        for s, op in zip(signatures, block.ops, strict=True)
-    )
-    busy = _stage_step(program, startup, feed, micro_batches, steps)
-    scale = busy / per_step if per_step > 0 else 1.0
-    return OpProfile(machine_id(), {s: t * scale for s, t in medians.items()})
+    return medians, _stage_step(program, startup, feed, micro_batches, steps)
 
 
 def _stage_step(
@@ -79,19 +103,12 @@ def _stage_step(
 ) -> float:
     """Median busy seconds of a step of `program` run as a one-stage pipeline of
     `micro_batches` micro-batches of `feed`, compiled."""
-    staged = program.clone()
-    staged.pipeline = PipelineConfig(micro_batches, "1F1B", 1)
-    batch = {name: np.concatenate([np.asarray(value)] * micro_batches) for name, value in feed.items()}
+    staged = one_stage(program, micro_batches)
+    batch = whole_batch(feed, micro_batches)
     scope = Scope()
     exe = Executor()
     exe.run(startup, scope=scope)
-    compiled, settled = -1, 0
-    for _ in range(50):  # until its blocks are compiled (a few interpreted runs first)
-        exe.run(staged, feed=batch, scope=scope)
-        now = exe.compiled_ops()
-        settled, compiled = (settled + 1 if now == compiled else 0), now
-        if settled >= 4:  # (and its compiled code has run: numba specializes at a first call)
-            break
+    warm(exe, staged, batch, scope)
     seconds = []
     for _ in range(steps):
         (before,) = exe.pipeline_stats(staged)
@@ -102,9 +119,10 @@ def _stage_step(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m fluidps.executor.op_profile MAIN.pb STARTUP.pb FEED.npz OUT.json [--micro-batches M]`:
-    profile_ops in a process of its own, threaded as its environment says (as a stage
-    process is: `fluidps place --measure` runs it with the stages' thread count)."""
+    """`python -m fluidps.executor.op_profile MAIN.pb STARTUP.pb FEED.npz OUT.json
+    [--micro-batches M] [--neighbors K]`: profile_ops in a process of its own, threaded as
+    its environment says (as a stage process is: `fluidps place --measure` runs it with the
+    stages' thread count, next to one neighbor for each other stage on this host)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -112,12 +130,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(name)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--neighbors", type=int, default=0)
     args = parser.parse_args(argv)
     program = Program.parse_from_string(Path(args.main).read_bytes())
     startup = Program.parse_from_string(Path(args.startup).read_bytes())
     with np.load(args.feed) as data:  # (object arrays refused: numpy loads no pickles by default)
         feed = {name: data[name] for name in data.files}
-    profile_ops(program, startup, feed, args.steps, args.micro_batches).save(args.out)
+    profile_ops(program, startup, feed, args.steps, args.micro_batches, args.neighbors).save(args.out)
 
 
 if __name__ == "__main__":

@@ -152,8 +152,14 @@ def check_feed(feed: Mapping[str, Any], m: int) -> None:
 
 def split_feed(feed: Mapping[str, Any], m: int, read: set[str]) -> list[dict[str, Any]]:
     """The feed cut into `m` equal micro-batches along the first dimension (the values of
-    `read` only; every value checked)."""
+    `read` only, each of which must be fed; every value checked)."""
     check_feed(feed, m)
+    missing = sorted(read - feed.keys())
+    if missing:
+        raise FeedError(
+            f"the pipeline's stages read {missing[0]!r} from the feed, which does not hold it; add it to feed "
+            f"(missing: {', '.join(missing)})"
+        )
     pieces: list[dict[str, Any]] = [{} for _ in range(m)]
     for name in read & feed.keys():
         for k, part in enumerate(np.split(np.asarray(feed[name]), m)):

@@ -278,6 +278,14 @@ def test_a_batch_the_micro_batches_cannot_share_is_refused_naming_the_feed():
         exe.run(main, feed=feed, fetch_list=[loss])
 
 
+def test_a_feed_missing_what_a_stage_reads_is_refused_naming_it():
+    main, startup, loss = two_stage_mlp(m=2)
+    exe = fluidps.Executor()
+    exe.run(startup)
+    with pytest.raises(FeedError, match=r"stages read 'y' from the feed, which does not hold it; add it"):
+        exe.run(main, feed={"x": np.ones((4, 4), np.float32)}, fetch_list=[loss])
+
+
 def test_the_transpiler_needs_a_pipeline_program():
     main, startup = fluidps.Program(), fluidps.Program()
     with fluidps.program_guard(main, startup):
