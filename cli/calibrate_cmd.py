@@ -86,6 +86,7 @@ def calibrate(output: str | None, calls: int) -> None:
     click.echo(f"  memory copy      {model.bandwidth / 1e9:8.1f} GB/s")
     click.echo(f"  one op           {model.op_overhead_s * 1e6:8.2f} us")
     click.echo(f"  one program run  {model.run_overhead_s * 1e6:8.2f} us besides its ops")
+    click.echo(f"  a run after a wait {model.wake_s * 1e6:6.1f} us more (a stage's micro-batch, cold)")
     click.echo(f"  a stage's own    {model.stage_overhead_s * 1e6:8.1f} us a micro-batch")
     click.echo(
         f"  message          {model.alpha_s * 1e6:8.1f} us + {model.beta_s * 1e9:.3f} ns/byte on its way"

@@ -89,7 +89,10 @@ class MachineModel:
     beta_s * b after it is sent, and costs each end send_cpu_s + stage_byte_s * b of its
     own time (encoding or decoding, copying; stage_byte_s as a stage process pays it,
     beta_s when not measured): the rest of alpha_s is waiting, which a pipeline overlaps
-    with other micro-batches' work once it is full."""
+    with other micro-batches' work once it is full. `wake_s`: what a stage's micro-batch costs
+    besides its time in back-to-back runs, because a stage that waits for its peers
+    between micro-batches starts each one cold (on the development host, 0.5-1.8 ms a run
+    after a 20 ms wait, growing with the run; measured, 0 when not)."""
 
     gemm_flops: float
     bandwidth: float
@@ -100,6 +103,7 @@ class MachineModel:
     beta_s: float
     send_cpu_s: float
     stage_byte_s: float | None = None
+    wake_s: float = 0.0
     machine: str = ""
     calibrated: bool = False
 
@@ -115,6 +119,7 @@ class MachineModel:
             "alpha_s",
             "beta_s",
             "send_cpu_s",
+            "wake_s",
         ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -165,10 +170,14 @@ def load_machine(path: Path | str | None = None) -> MachineModel:
         )
         return ANALYTIC
     data = _read_json(path, "calibration")
-    measured = [f.name for f in fields(MachineModel) if f.name not in ("stage_byte_s", "calibrated")]
+    optional = ("stage_byte_s", "wake_s", "calibrated")  # (calibrations from before they were measured)
+    measured = [f.name for f in fields(MachineModel) if f.name not in optional]
     try:
         model = MachineModel(
-            **{k: data[k] for k in measured}, stage_byte_s=data.get("stage_byte_s"), calibrated=True
+            **{k: data[k] for k in measured},
+            stage_byte_s=data.get("stage_byte_s"),
+            wake_s=data.get("wake_s", 0.0),
+            calibrated=True,
         )
     except (KeyError, TypeError) as e:
         raise Error(f"{path}: not a fluidps calibration ({e}); run `fluidps calibrate` again") from None

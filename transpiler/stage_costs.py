@@ -136,8 +136,10 @@ def units_of(program: Program, cost: CostModel, micro_rows: int, micro_batches: 
     stash_bytes = np.array([sum(s.values()) for s in stash], float)
     values = tuple(_values(block, maker, readers, cost, micro_rows))
     messages, waits = _message_matrices(n, values)
-    # (a stage's own cost of each micro-batch, and of running its update once a step)
-    run_s = cost.machine.stage_overhead_s + cost.machine.run_overhead_s / micro_batches
+    # (a stage's own cost of each micro-batch, started cold after waiting for its peers,
+    # and of running its update once a step)
+    machine = cost.machine
+    run_s = machine.stage_overhead_s + machine.wake_s + machine.run_overhead_s / micro_batches
     return Units(units, compute, param_bytes, stash_bytes, messages, waits, cut_ok, pins, values, run_s)
 
 
