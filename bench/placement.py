@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import fluidps  # noqa: E402
 from bench.bandwidth import zmq_bandwidth  # noqa: E402
 from fluidps import layers  # noqa: E402
-from fluidps.cli.calibrate_cmd import measure_stage_costs  # noqa: E402
+from fluidps.cli.calibrate_cmd import measure_stage_costs, measure_wait_factor  # noqa: E402
 from fluidps.cli.stage_timing import time_stages  # noqa: E402
 from fluidps.executor.calibrate import calibrate  # noqa: E402
 from fluidps.executor.op_profile import profile_ops  # noqa: E402
@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
 
     model, fitted = calibrate(calls=5 if args.quick else 40)
     overhead, per_byte = measure_stage_costs(model, 5 if args.quick else 20)
-    model = dataclasses.replace(model, stage_overhead_s=overhead, stage_byte_s=per_byte)
+    factor = measure_wait_factor(5 if args.quick else 20)
+    model = dataclasses.replace(model, stage_overhead_s=overhead, stage_byte_s=per_byte, wait_factor=factor)
     raw = zmq_bandwidth(4096, 5 if args.quick else 200)
     print(json.dumps({
         "bench": "placement", "row": "transport", "alpha_us": round(model.alpha_s * 1e6, 1),
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             [size, round(t * 1e6, 1)] for size, t in fitted["round_trips"]],
         "raw_pyzmq_4k_push_us": round(raw["push"] * 1e6, 1), "gemm_gflops": round(model.gemm_flops / 1e9, 1),
         "bandwidth_gbs": round(model.bandwidth / 1e9, 1), "op_overhead_us": round(model.op_overhead_s * 1e6, 2),
-        "stage_overhead_us": round(model.stage_overhead_s * 1e6, 1), "wake_us": round(model.wake_s * 1e6, 1),
+        "stage_overhead_us": round(model.stage_overhead_s * 1e6, 1), "wait_factor": round(model.wait_factor, 3),
         "stage_ns_per_byte": round(model.stage_byte_s * 1e9, 4),
         **common}))  # fmt: skip
 

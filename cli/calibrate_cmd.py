@@ -57,6 +57,39 @@ def _stage_busy(width: int, steps: int) -> float:
     return statistics.mean(busy) / _MICRO_BATCHES
 
 
+def measure_wait_factor(steps: int = 20) -> float:
+    """How many times slower a pipeline stage runs when it waits for a busier peer
+    between micro-batches than when it is the slowest stage (MachineModel.wait_factor):
+    the same second stage, four layers of 256, measured behind a first stage faster than
+    it and behind one about four times slower; the ratio of its busy times, within 1-2."""
+    alone = _second_stage_busy((256,), steps)
+    waiting = _second_stage_busy((4096, 256), steps)
+    return min(max(waiting / alone, 1.0), 2.0)
+
+
+def _second_stage_busy(first_widths: tuple[int, ...], steps: int) -> float:
+    """Busy seconds a step of the second stage of x[256] -> fc(first_widths) | 4 x fc(256) ->
+    fc(10) -> loss, 32 rows a micro-batch."""
+    main, startup = fluidps.Program(), fluidps.Program()
+    startup.random_seed = 1
+    with fluidps.program_guard(main, startup):
+        h = layers.data("x", [256])
+        y = layers.data("y", [1], dtype="int64")
+        with fluidps.device_guard("stage:0"):
+            for width in first_widths:
+                h = layers.fc(h, width, act="relu")
+        with fluidps.device_guard("stage:1"):
+            for _ in range(4):
+                h = layers.fc(h, 256, act="relu")
+            loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 10), y))
+        fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.SGD(0.01), _MICRO_BATCHES).minimize(loss)
+    rows = 32 * _MICRO_BATCHES
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.random((rows, 256), np.float32), "y": np.zeros((rows, 1), np.int64)}
+    _, busy = time_stages(main, startup, [feed], steps)
+    return busy[1]
+
+
 @click.command()
 @click.option(
     "-o",
@@ -77,7 +110,10 @@ def calibrate(output: str | None, calls: int) -> None:
     try:
         model, fitted = measure(calls)
         overhead, per_byte = measure_stage_costs(model)
-        model = dataclasses.replace(model, stage_overhead_s=overhead, stage_byte_s=per_byte)
+        factor = measure_wait_factor()
+        model = dataclasses.replace(
+            model, stage_overhead_s=overhead, stage_byte_s=per_byte, wait_factor=factor
+        )
     except Error as e:
         fail(str(e))
     path = model.save(output)
@@ -86,13 +122,13 @@ def calibrate(output: str | None, calls: int) -> None:
     click.echo(f"  memory copy      {model.bandwidth / 1e9:8.1f} GB/s")
     click.echo(f"  one op           {model.op_overhead_s * 1e6:8.2f} us")
     click.echo(f"  one program run  {model.run_overhead_s * 1e6:8.2f} us besides its ops")
-    click.echo(f"  a run after a wait {model.wake_s * 1e6:6.1f} us more (a stage's micro-batch, cold)")
     click.echo(f"  a stage's own    {model.stage_overhead_s * 1e6:8.1f} us a micro-batch")
     click.echo(
         f"  message          {model.alpha_s * 1e6:8.1f} us + {model.beta_s * 1e9:.3f} ns/byte on its way"
     )
     click.echo(f"  sending one      {model.send_cpu_s * 1e6:8.1f} us of the sender's time")
     click.echo(f"  a byte to a stage {model.stage_byte_s * 1e9:7.3f} ns at each end")
+    click.echo(f"  a waiting stage  {model.wait_factor:8.2f} x slower than the slowest")
     for size, seconds in fitted["round_trips"]:
         click.echo(f"    round trip of {size:>9,} bytes: {seconds * 1e6:8.1f} us")
     click.echo(f"stored in {path}")

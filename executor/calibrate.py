@@ -2,9 +2,8 @@
 (fluidps.transpiler.cost_model.MachineModel).
 
 - rates, in a child process with one thread (whatever the caller's threading): a
-  float32 matrix product's FLOP/s, a large copy's bytes/s, what running one op
-  through the interpreter costs, and what a run costs more when it starts after a wait
-  (as a pipeline stage's micro-batch does) than back to back;
+  float32 matrix product's FLOP/s, a large copy's bytes/s, and what running one op
+  through the interpreter costs;
 - what an executor's run of a program costs besides its ops (a one-op program);
 - a message's time over the transport (fluidps.executor.transport.link).
 
@@ -80,52 +79,11 @@ def measure_rates() -> dict[str, float]:
         env = prepared.check_feeds(feed)
         per_op.extend(prepared.runner.run_timed(env))
     return {
-        "wake_s": measure_wake(),
         "gemm_flops": 2 * 256 * 1024 * 1024 / gemm,
         "bandwidth": 2 * source.nbytes / copy,
         "op_overhead_s": statistics.median(per_op),
         "run_overhead_s": max(statistics.median(runs[50:]) - statistics.median(per_op), 0.0),
     }
-
-
-def measure_wake(
-    layers: int = 8, width: int = 256, rows: int = 32, runs: int = 40, idle_s: float = 0.02
-) -> float:
-    """Seconds a run costs more when it starts after `idle_s` of waiting, as a pipeline
-    stage's micro-batch does, than back to back: a chain of `layers` products and relus
-    of `width` (compiled), the median run each way."""
-    rng = np.random.default_rng(0)
-    main = Program()
-    block = main.global_block()
-    feed = {"h0": rng.random((rows, width), np.float32)}
-    block.create_var("h0", shape=[rows, width], dtype=VarType.FP32)
-    for i in range(layers):
-        for name, shape in (
-            (f"w{i}", [width, width]),
-            (f"p{i}", [rows, width]),
-            (f"h{i + 1}", [rows, width]),
-        ):
-            block.create_var(name, shape=shape, dtype=VarType.FP32)
-        feed[f"w{i}"] = rng.random((width, width), np.float32) / width
-        REGISTRY.append_op(block, "mul", {"X": [f"h{i}"], "Y": [f"w{i}"]}, {"Out": [f"p{i}"]}, {})
-        REGISTRY.append_op(block, "relu", {"X": [f"p{i}"]}, {"Out": [f"h{i + 1}"]}, {})
-    exe = Executor()
-    fetch = [f"h{layers}"]
-    for _ in range(20):  # compiled, and its compiled code run
-        exe.run(main, feed=feed, fetch_list=fetch)
-
-    def median_run(idle: float) -> float:
-        times = []
-        for _ in range(runs):
-            if idle:
-                time.sleep(idle)
-            start = time.perf_counter()
-            exe.run(main, feed=feed, fetch_list=fetch)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    hot = median_run(0.0)
-    return max(median_run(idle_s) - hot, 0.0)
 
 
 def _rates_in_child() -> dict[str, float]:
@@ -157,7 +115,6 @@ def calibrate(calls: int = 40) -> tuple[MachineModel, dict]:
         alpha_s=link["alpha_s"],
         beta_s=link["beta_s"],
         send_cpu_s=link["send_cpu_s"],
-        wake_s=rates["wake_s"],
         machine=machine_id(),
         calibrated=True,
     )

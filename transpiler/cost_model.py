@@ -89,10 +89,13 @@ class MachineModel:
     beta_s * b after it is sent, and costs each end send_cpu_s + stage_byte_s * b of its
     own time (encoding or decoding, copying; stage_byte_s as a stage process pays it,
     beta_s when not measured): the rest of alpha_s is waiting, which a pipeline overlaps
-    with other micro-batches' work once it is full. `wake_s`: what a stage's micro-batch costs
-    besides its time in back-to-back runs, because a stage that waits for its peers
-    between micro-batches starts each one cold (on the development host, 0.5-1.8 ms a run
-    after a 20 ms wait, growing with the run; measured, 0 when not)."""
+    with other micro-batches' work once it is full. `wait_factor`: how many times slower a stage
+    runs when it waits for a busier peer between micro-batches than when it is the one
+    the others wait for (its core goes idle, the busy peer empties the caches they
+    share; measured by two pipeline jobs, 1.3-1.5 on the development host; 1 when not
+    measured, at most 2): a stage of time t in a step whose slowest stage takes T is
+    counted t * (1 + (wait_factor - 1) * (1 - t / T)), so the slowest stage keeps its
+    time and none overtakes it."""
 
     gemm_flops: float
     bandwidth: float
@@ -103,7 +106,7 @@ class MachineModel:
     beta_s: float
     send_cpu_s: float
     stage_byte_s: float | None = None
-    wake_s: float = 0.0
+    wait_factor: float = 1.0
     machine: str = ""
     calibrated: bool = False
 
@@ -119,11 +122,13 @@ class MachineModel:
             "alpha_s",
             "beta_s",
             "send_cpu_s",
-            "wake_s",
         ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise Error(f"MachineModel.{name} must be a number >= 0, got {value!r}")
+        factor = self.wait_factor
+        if not (isinstance(factor, int | float) and 1 <= factor <= 2):
+            raise Error(f"MachineModel.wait_factor must be a number from 1 to 2, got {factor!r}")
         byte = self.stage_byte_s
         if byte is not None and not (isinstance(byte, int | float) and math.isfinite(byte) and byte >= 0):
             raise Error(f"MachineModel.stage_byte_s must be a number >= 0 or None, got {byte!r}")
@@ -170,13 +175,13 @@ def load_machine(path: Path | str | None = None) -> MachineModel:
         )
         return ANALYTIC
     data = _read_json(path, "calibration")
-    optional = ("stage_byte_s", "wake_s", "calibrated")  # (calibrations from before they were measured)
+    optional = ("stage_byte_s", "wait_factor", "calibrated")  # (calibrations from before they were measured)
     measured = [f.name for f in fields(MachineModel) if f.name not in optional]
     try:
         model = MachineModel(
             **{k: data[k] for k in measured},
             stage_byte_s=data.get("stage_byte_s"),
-            wake_s=data.get("wake_s", 0.0),
+            wait_factor=data.get("wait_factor", 1.0),
             calibrated=True,
         )
     except (KeyError, TypeError) as e:

@@ -50,6 +50,7 @@ class Units:
     pins: tuple[int | None, ...]  # the stage a device_guard gave each unit
     values: tuple[Value, ...]  # what crosses when its maker and a reader sit on different stages
     run_s: float  # what a stage spends on a micro-batch besides its ops and messages
+    wait_factor: float  # how much slower a stage that waits for a busier one runs (MachineModel's)
 
 
 def unit_of_ops(block: Block) -> tuple[tuple[int, ...], list[int | None]]:
@@ -136,11 +137,12 @@ def units_of(program: Program, cost: CostModel, micro_rows: int, micro_batches: 
     stash_bytes = np.array([sum(s.values()) for s in stash], float)
     values = tuple(_values(block, maker, readers, cost, micro_rows))
     messages, waits = _message_matrices(n, values)
-    # (a stage's own cost of each micro-batch, started cold after waiting for its peers,
-    # and of running its update once a step)
-    machine = cost.machine
-    run_s = machine.stage_overhead_s + machine.wake_s + machine.run_overhead_s / micro_batches
-    return Units(units, compute, param_bytes, stash_bytes, messages, waits, cut_ok, pins, values, run_s)
+    # (a stage's own cost of each micro-batch, and of running its update once a step)
+    run_s = cost.machine.stage_overhead_s + cost.machine.run_overhead_s / micro_batches
+    return Units(
+        units, compute, param_bytes, stash_bytes, messages, waits, cut_ok, pins, values, run_s,
+        cost.machine.wait_factor,
+    )  # fmt: skip
 
 
 def _values(
@@ -234,6 +236,11 @@ def evaluate(
             if value.grad:
                 waits[home] += value.wait
     memory = [int(params[k] + in_flight(schedule_mode, k, p, micro_batches) * stash[k]) for k in range(p)]
+    slowest = max(c + m for c, m in zip(compute, messages, strict=True))
+    if slowest > 0:  # a stage waiting for a busier one runs slower, the more it waits (see MachineModel)
+        for k in range(p):
+            slower = 1 + (units.wait_factor - 1) * (1 - (compute[k] + messages[k]) / slowest)
+            compute[k], messages[k] = compute[k] * slower, messages[k] * slower
     times = [c + m for c, m in zip(compute, messages, strict=True)]
     step = step_seconds(times, micro_batches, sum(waits))
     return StageCosts(tuple(compute), tuple(messages), tuple(waits), tuple(memory), step)

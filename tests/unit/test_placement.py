@@ -4,6 +4,7 @@ every bad input said by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import warnings
@@ -272,10 +273,36 @@ def test_an_uncalibrated_or_foreign_calibration_warns_once_and_uses_the_analytic
     path = foreign.save(tmp_path / "calibration.json")
     with pytest.warns(CostModelWarning, match="measured on 'another CPU x64', not this machine"):
         assert load_machine(path) is ANALYTIC
-    mine = MachineModel(1e11, 1e10, 1e-6, 1e-5, 3e-4, 1e-4, 1e-9, 1e-5, machine=machine_id(), calibrated=True)
+    mine = MachineModel(
+        1e11, 1e10, 1e-6, 1e-5, 3e-4, 1e-4, 1e-9, 1e-5, wait_factor=1.4, machine=machine_id(), calibrated=True
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_machine(mine.save(path)) == mine
+        older = json.loads(path.read_text())  # a calibration from before wait_factor was measured
+        del older["wait_factor"]
+        path.write_text(json.dumps(older))
+        assert load_machine(path).wait_factor == 1.0
+
+
+def test_a_stage_waiting_for_a_busier_one_is_slower_the_more_it_waits():
+    plain, *_ = unbalanced_mlp()
+    steady = MachineModel(1e11, 1e10, 1e-6, 1e-5, 3e-4, 1e-4, 1e-9, 1e-5)
+    waiting = dataclasses.replace(steady, wait_factor=1.5)
+    for stages, m in ((2, 4), (3, 8)):
+        before = place_pipeline(plain, stages, m, CostModel(steady), 64)
+        after = place_pipeline(plain, stages, m, CostModel(waiting), 64)
+        assert after.unit_stages == before.unit_stages  # (the slowest stage is unchanged: so is the cut)
+        slowest = max(before.stage_s)
+        expected = [t * (1 + 0.5 * (1 - t / slowest)) for t in before.stage_s]
+        assert after.stage_s == pytest.approx(expected, rel=1e-9)
+        assert max(after.stage_s) == pytest.approx(slowest) and min(after.stage_s) > min(before.stage_s)
+        assert after.predicted_step_s == pytest.approx(
+            step_seconds(after.stage_s, m, sum(before.wait_s)), rel=1e-9
+        )
+    for factor in (0.9, 2.5):
+        with pytest.raises(Error, match=rf"wait_factor must be a number from 1 to 2, got {factor}"):
+            dataclasses.replace(steady, wait_factor=factor)
 
 
 def test_damaged_calibration_and_profile_files_are_errors_naming_them(tmp_path):
