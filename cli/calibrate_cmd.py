@@ -61,10 +61,11 @@ def measure_wait_factor(steps: int = 20) -> float:
     """How many times slower a pipeline stage runs when it waits for a busier peer
     between micro-batches than when it is the slowest stage (MachineModel.wait_factor):
     the same second stage, four layers of 256, measured behind a first stage faster than
-    it and behind one about four times slower; the ratio of its busy times, within 1-2."""
+    it and behind one whose step takes about four times as long; the ratio of its busy
+    times, kept within 1-2 (the model's bounds: a ratio outside them is noise)."""
     alone = _second_stage_busy((256,), steps)
     waiting = _second_stage_busy((4096, 256), steps)
-    return min(max(waiting / alone, 1.0), 2.0)
+    return min(max(waiting / alone, 1.0), 2.0) if alone > 0 else 1.0
 
 
 def _second_stage_busy(first_widths: tuple[int, ...], steps: int) -> float:

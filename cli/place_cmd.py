@@ -42,6 +42,12 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "N
     "stage, and print each stage's measured time next to the predicted one.",
 )
 @click.option("--startup", "startup_file", metavar="STARTUP.pb", help="The startup program (for --measure).")
+@click.option(
+    "--neighbors",
+    type=int,
+    help="Busy processes the ops are timed next to (for --measure; default: one for each other stage "
+    "this host's cores hold; 0 when each stage runs on a host of its own).",
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the placed program here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the placement as JSON.")
 def place(
@@ -55,6 +61,7 @@ def place(
     profile_file: str | None,
     measure: bool,
     startup_file: str | None,
+    neighbors: int | None,
     output: str | None,
     as_json: bool,
 ) -> None:
@@ -67,6 +74,8 @@ def place(
         fail("--stages and --micro-batches must be at least 1")
     if measure and startup_file is None:
         fail("--measure runs the program: give its --startup program")
+    if neighbors is not None and neighbors < 0:
+        fail(f"--neighbors must be 0 or more, got {neighbors}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CostModelWarning)
         try:
@@ -74,7 +83,7 @@ def place(
             profile = load_profile(profile_file)
             if measure:
                 startup = load_program(startup_file)
-                profile = _measure(main, startup, rows // micro_batches, micro_batches, stages)
+                profile = _measure(main, startup, rows // micro_batches, micro_batches, stages, neighbors)
             cost = CostModel(machine, profile)
             placement = place_pipeline(main, stages, micro_batches, cost, rows, schedule, memory_cap)
         except Error as e:
@@ -100,14 +109,17 @@ def place(
         click.echo(f"wrote the placed program to {output}")
 
 
-def _measure(main: Program, startup: Program, rows: int, micro_batches: int, stages: int):
+def _measure(
+    main: Program, startup: Program, rows: int, micro_batches: int, stages: int, neighbors: int | None
+) -> OpProfile:
     """Time every op of `main` on `rows` rows of made-up data, scaled to a stage's step of
     `micro_batches` micro-batches (fluidps.executor.op_profile), in a process threaded as
     each stage's will be (the cores shared by the stages), next to a busy neighbor for each
     other stage that runs at the same time on this host, and store the times."""
     cores = os.cpu_count() or 1
     threads = max(cores // stages, 1)
-    neighbors = min(stages, max(cores // threads, 1)) - 1
+    if neighbors is None:
+        neighbors = min(stages, max(cores // threads, 1)) - 1
     env = {**os.environ, **dict.fromkeys(_THREAD_VARS, str(threads))}
     with tempfile.TemporaryDirectory(prefix="fluidps-profile-") as work:
         files = {name: Path(work) / name for name in ("main.pb", "startup.pb", "feed.npz", "profile.json")}
@@ -115,13 +127,16 @@ def _measure(main: Program, startup: Program, rows: int, micro_batches: int, sta
         files["startup.pb"].write_bytes(startup.serialize_to_string())
         np.savez(files["feed.npz"], **made_up_feed(main, rows))
         command = [sys.executable, "-m", "fluidps.executor.op_profile", *map(str, files.values())]
-        done = subprocess.run(
-            [*command, "--micro-batches", str(micro_batches), "--neighbors", str(neighbors)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
+        try:
+            done = subprocess.run(
+                [*command, "--micro-batches", str(micro_batches), "--neighbors", str(neighbors)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+        except subprocess.TimeoutExpired:
+            fail("timing the program's ops took over 30 minutes: give a smaller --batch-size, or a --profile")
         if done.returncode != 0:
             fail(f"timing the program's ops failed: {done.stderr.strip()[-800:]}")
         profile = OpProfile.load(files["profile.json"])

@@ -14,16 +14,19 @@ so that the times it keeps are the times a stage sees.
 A neighbor runs the program as a one-stage pipeline of `micro_batches` micro-batches of
 `feed`, compiled, on a scope of its own; it says it is ready once its compiled segments
 have settled (compiling is not the load a stage sees), and runs until it is stopped.
-Each is stopped by its own process id when the block ends, however it ends.
+Each is stopped by its own process id when the block ends, however it ends, and ends by
+itself when this process is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -90,16 +93,17 @@ def busy_neighbors(
         try:
             for i in range(count):
                 log = Path(work) / f"neighbor{i}.err"  # (a file: a pipe nobody reads could fill and block it)
-                with log.open("w") as err:
-                    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)
+                with log.open("w") as err:  # (stdin: a pipe whose end tells it this process is gone)
+                    process = subprocess.Popen(
+                        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+                    )
                 started.append((process, log))
             deadline = time.monotonic() + ready_timeout_s
             for process, log in started:
                 _wait_ready(process, log, deadline)
             yield [process.pid for process, _ in started]
         finally:
-            for process, _ in started:
-                _stop(process)
+            _stop([process for process, _ in started])
 
 
 def _wait_ready(process: subprocess.Popen[str], log: Path, deadline: float) -> None:
@@ -107,24 +111,43 @@ def _wait_ready(process: subprocess.Popen[str], log: Path, deadline: float) -> N
     readable, _, _ = select.select([process.stdout], [], [], max(deadline - time.monotonic(), 0.0))
     if not readable:
         raise Error(
-            f"a busy neighbor (pid {process.pid}) was not ready in time: its program had not finished "
-            "compiling; profile without neighbors, or on a less loaded machine"
+            f"a busy neighbor (pid {process.pid}) was not ready in time: its program had not run its "
+            "warm-up steps; profile with no neighbors (neighbors=0), or on a less loaded machine"
         )
-    if process.stdout.readline().strip() != READY:  # (it ended: its stderr says why)
-        process.wait(timeout=10)
-        raise Error(f"a busy neighbor (pid {process.pid}) failed to start: {log.read_text().strip()[-800:]}")
+    line = process.stdout.readline()
+    if line.strip() == READY:
+        return
+    if line:
+        raise Error(
+            f"a busy neighbor (pid {process.pid}) said {line.strip()[:200]!r} where it says {READY!r}"
+        )
+    with contextlib.suppress(subprocess.TimeoutExpired):  # (its output ended: it is ending)
+        process.wait(timeout=30)
+    raise Error(f"a busy neighbor (pid {process.pid}) failed to start: {log.read_text().strip()[-800:]}")
 
 
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.terminate()
+def _stop(processes: list[subprocess.Popen[str]]) -> None:
+    """Stop every one (all told first, then each waited for; killed if it does not stop)."""
+    for process in processes:
+        for stream in (process.stdin, process.stdout):
+            if stream is not None:
+                stream.close()
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait(timeout=10)
-    if process.stdout is not None:
-        process.stdout.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+
+
+def _exit_with_parent() -> None:
+    """End this process when its parent's end of stdin closes: a parent that dies without
+    stopping it (killed, or timed out by its own parent) leaves no neighbor spinning."""
+    sys.stdin.read()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         feed = {name: data[name] for name in data.files}
     staged = one_stage(program, int(args[3]))
     batch = whole_batch(feed, int(args[3]))
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
     exe, scope = Executor(), Scope()
     exe.run(startup, scope=scope)
     warm(exe, staged, batch, scope)

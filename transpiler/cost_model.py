@@ -184,7 +184,7 @@ def load_machine(path: Path | str | None = None) -> MachineModel:
             wait_factor=data.get("wait_factor", 1.0),
             calibrated=True,
         )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, Error) as e:
         raise Error(f"{path}: not a fluidps calibration ({e}); run `fluidps calibrate` again") from None
     if model.machine != machine_id():
         warnings.warn(

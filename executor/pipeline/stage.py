@@ -157,11 +157,11 @@ def split_feed(feed: Mapping[str, Any], m: int, read: set[str]) -> list[dict[str
     missing = sorted(read - feed.keys())
     if missing:
         raise FeedError(
-            f"the pipeline's stages read {missing[0]!r} from the feed, which does not hold it; add it to feed "
-            f"(missing: {', '.join(missing)})"
+            f"the pipeline's stages read {', '.join(map(repr, missing))} from the feed, which does not hold "
+            "them: add them to feed"
         )
     pieces: list[dict[str, Any]] = [{} for _ in range(m)]
-    for name in read & feed.keys():
+    for name in read:
         for k, part in enumerate(np.split(np.asarray(feed[name]), m)):
             pieces[k][name] = part
     return pieces

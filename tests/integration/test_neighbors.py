@@ -5,6 +5,9 @@ neighbor that cannot run its program is an error that says why."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,11 +43,12 @@ def cpu_ticks(pid: int) -> int:
 
 
 def gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie not yet reaped by whoever adopted it has)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
         return True
-    return False
+    return state in ("Z", "X")
 
 
 def test_neighbors_run_steps_while_the_block_runs_and_are_stopped_after_it():
@@ -70,6 +74,44 @@ def test_neighbors_are_stopped_when_the_block_raises():
         raise RuntimeError("the timed work failed")
     assert pids
     assert all(gone(pid) for pid in pids)
+
+
+PARENT = """
+import sys, time
+import numpy as np
+from fluidps import Program
+from fluidps.executor.neighbors import busy_neighbors
+main = Program.parse_from_string(open(sys.argv[1], "rb").read())
+startup = Program.parse_from_string(open(sys.argv[2], "rb").read())
+feed = {"x": np.ones((4, 16), np.float32), "y": np.zeros((4, 1), np.int64)}
+with busy_neighbors(main, startup, feed, count=1) as pids:
+    print(pids[0], flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_neighbor_ends_when_the_process_that_started_it_is_killed(tmp_path):
+    main, startup, _ = small_mlp()
+    (tmp_path / "main.pb").write_bytes(main.serialize_to_string())
+    (tmp_path / "startup.pb").write_bytes(startup.serialize_to_string())
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path / "main.pb"), str(tmp_path / "startup.pb")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout is not None
+        neighbor = int(parent.stdout.readline())  # (its neighbor is ready and running)
+        assert not gone(neighbor)
+    finally:
+        parent.kill()  # no finally of its own runs: the neighbor must see its stdin close
+        parent.wait(timeout=60)
+    deadline = time.monotonic() + 120
+    while not gone(neighbor) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not gone(neighbor):
+        os.kill(neighbor, signal.SIGKILL)
+        pytest.fail(f"neighbor {neighbor} outlived the process that started it")
 
 
 def test_a_neighbor_that_cannot_run_its_program_is_an_error_that_says_why():

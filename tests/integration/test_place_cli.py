@@ -96,6 +96,7 @@ def test_place_refuses_bad_input_in_one_line(tmp_path):
         (["--stages", "2", "--memory-cap", "10"], "memory cap of 10 bytes"),
         (["--stages", "2", "--measure"], "--measure runs the program: give its --startup program"),
         (["--stages", "2", "--profile", str(tmp_path / "missing.json")], "no op profile at"),
+        (["--stages", "2", "--neighbors", "-1"], "--neighbors must be 0 or more, got -1"),
     ]
     for flags, message in cases:
         done = run("place", str(main_file), *flags, env=env)

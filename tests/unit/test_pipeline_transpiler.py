@@ -282,7 +282,7 @@ def test_a_feed_missing_what_a_stage_reads_is_refused_naming_it():
     main, startup, loss = two_stage_mlp(m=2)
     exe = fluidps.Executor()
     exe.run(startup)
-    with pytest.raises(FeedError, match=r"stages read 'y' from the feed, which does not hold it; add it"):
+    with pytest.raises(FeedError, match=r"stages read 'y' from the feed, which does not hold them: add them"):
         exe.run(main, feed={"x": np.ones((4, 4), np.float32)}, fetch_list=[loss])
 
 

@@ -29,11 +29,18 @@ from fluidps.transpiler.cost_model import (
     op_signature,
 )
 from fluidps.transpiler.partition import best_cuts, place_pipeline, placed, step_seconds, unit_of_ops
+from fluidps.transpiler.stage_costs import evaluate, units_of
 
 # -- the exact search ----------------------------------------------------------------------
 
 
-def brute_force(times, p, m, allowed, fill):
+def counted(stage_times, wait_factor):
+    """Each stage's time as the step counts it next to the slowest (see MachineModel.wait_factor)."""
+    slowest = max(stage_times)
+    return [t * (1 + (wait_factor - 1) * (1 - t / slowest)) if slowest > 0 else t for t in stage_times]
+
+
+def brute_force(times, p, m, allowed, fill, wait_factor=1.0):
     """Every cut of n units into p stages: the least predicted step, and every cut reaching it."""
     n = times.shape[0] - 1
     best, argbest = None, []
@@ -42,7 +49,8 @@ def brute_force(times, p, m, allowed, fill):
         pairs = list(itertools.pairwise(cuts))
         if allowed is not None and not all(allowed[k, a, b] for k, (a, b) in enumerate(pairs)):
             continue
-        step = step_seconds([times[a, b] for a, b in pairs], m, sum(fill[a, b] for a, b in pairs))
+        stage = counted([times[a, b] for a, b in pairs], wait_factor)
+        step = step_seconds(stage, m, sum(fill[a, b] for a, b in pairs))
         if best is None or step < best - 1e-9:
             best, argbest = step, [cuts]
         elif abs(step - best) <= 1e-9:
@@ -61,16 +69,17 @@ def chain(rng, n):
     return times, fill
 
 
+@pytest.mark.parametrize("wait_factor", [1.0, 1.3, 2.0])
 @pytest.mark.parametrize("seed", range(8))
-def test_the_cuts_are_those_of_brute_force_for_chains_up_to_12_units_and_4_stages(seed):
+def test_the_cuts_are_those_of_brute_force_for_chains_up_to_12_units_and_4_stages(seed, wait_factor):
     rng = np.random.default_rng(seed)
     for case in range(60):
         n, p, m = int(rng.integers(1, 13)), int(rng.integers(1, 5)), int(rng.integers(1, 10))
         times, fill = chain(rng, n)
         fill = fill if case % 3 else np.zeros_like(fill)
         allowed = rng.random((p, n + 1, n + 1)) > 0.2 if case % 2 else None
-        found = best_cuts(times, p, m, allowed, fill)
-        best, argbest = brute_force(times, p, m, allowed, fill)
+        found = best_cuts(times, p, m, allowed, fill, wait_factor)
+        best, argbest = brute_force(times, p, m, allowed, fill, wait_factor)
         if best is None:
             assert found is None, (n, p, m)
             continue
@@ -290,15 +299,19 @@ def test_a_stage_waiting_for_a_busier_one_is_slower_the_more_it_waits():
     steady = MachineModel(1e11, 1e10, 1e-6, 1e-5, 3e-4, 1e-4, 1e-9, 1e-5)
     waiting = dataclasses.replace(steady, wait_factor=1.5)
     for stages, m in ((2, 4), (3, 8)):
-        before = place_pipeline(plain, stages, m, CostModel(steady), 64)
-        after = place_pipeline(plain, stages, m, CostModel(waiting), 64)
-        assert after.unit_stages == before.unit_stages  # (the slowest stage is unchanged: so is the cut)
-        slowest = max(before.stage_s)
-        expected = [t * (1 + 0.5 * (1 - t / slowest)) for t in before.stage_s]
-        assert after.stage_s == pytest.approx(expected, rel=1e-9)
-        assert max(after.stage_s) == pytest.approx(slowest) and min(after.stage_s) > min(before.stage_s)
-        assert after.predicted_step_s == pytest.approx(
-            step_seconds(after.stage_s, m, sum(before.wait_s)), rel=1e-9
+        plain_units, waiting_units = (units_of(plain, CostModel(c), 64 // m, m) for c in (steady, waiting))
+        placement = place_pipeline(plain, stages, m, CostModel(waiting), 64)
+        before = evaluate(plain_units, placement.unit_stages, stages, m, "1F1B")
+        after = evaluate(waiting_units, placement.unit_stages, stages, m, "1F1B")
+        times = [c + s for c, s in zip(before.compute_s, before.message_s, strict=True)]
+        slowest = max(times)
+        assert [c + s for c, s in zip(after.compute_s, after.message_s, strict=True)] == pytest.approx(
+            [t * (1 + 0.5 * (1 - t / slowest)) for t in times], rel=1e-9
+        )  # the slowest stage keeps its time; the others count slower, the more they wait
+        assert after.step_s == pytest.approx(placement.predicted_step_s, rel=1e-9)
+        other = place_pipeline(plain, stages, m, CostModel(steady), 64)  # no better, counted the same way
+        assert (
+            placement.predicted_step_s <= evaluate(waiting_units, other.unit_stages, stages, m, "1F1B").step_s
         )
     for factor in (0.9, 2.5):
         with pytest.raises(Error, match=rf"wait_factor must be a number from 1 to 2, got {factor}"):
@@ -322,6 +335,12 @@ def test_damaged_calibration_and_profile_files_are_errors_naming_them(tmp_path):
         load_profile(tmp_path / "missing.json")
     with pytest.raises(Error, match="gemm_flops must be a positive number"):
         MachineModel(0, 1e10, 0, 0, 0, 0, 0, 0)
+    stored = MachineModel(1e11, 1e10, 1e-6, 1e-5, 3e-4, 1e-4, 1e-9, 1e-5, machine=machine_id()).save(bad)
+    bad.write_text(stored.read_text().replace('"wait_factor": 1.0', '"wait_factor": 2.5'))
+    with pytest.raises(
+        Error, match=rf"{bad}: not a fluidps calibration \(.*wait_factor .*\); run `fluidps calibrate`"
+    ):
+        load_machine(bad)
 
 
 def test_a_profile_of_another_program_or_machine_is_said_and_set_aside(tmp_path):
