@@ -18,8 +18,8 @@ pace). Two searches, and the faster prediction wins:
   bound B on the slowest stage, a dynamic program over the cut points finds the least
   sum; the least sum only changes at the stage times themselves, so a walk down from
   the unbounded optimum visits each change once and stops when no smaller bound can win
-  (with a wait factor, which counts the other stages against the slowest, it visits each
-  stage time that can still win);
+  (with a wait factor, which counts the other stages slower against the slowest, the
+  cuts it visited are counted with it: within (f - 1)(p - 1) / 4m of the optimum);
 - list scheduling over the graph (fluidps.transpiler.graph_placement), for programs
   whose branches a cut of the program order would split badly.
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,11 +67,12 @@ def best_cuts(
     wait_factor: float = 1.0,
 ) -> tuple[tuple[int, ...], float] | None:
     """The cut points 0 = c0 < c1 < ... < cp = n minimizing step_seconds, where stage k
-    holds units c_k .. c_{k+1} - 1, takes times[c_k, c_{k+1}] per micro-batch (counted
-    t * (1 + (wait_factor - 1) * (1 - t / T)) next to a slowest stage of T, as
-    fluidps.transpiler.stage_costs.evaluate counts it) and adds fill[c_k, c_{k+1}]
-    (default 0) to the first micro-batch's way through, and `allowed[k, i, j]` says
-    whether stage k may hold units i .. j - 1 (default: all).
+    holds units c_k .. c_{k+1} - 1, takes times[c_k, c_{k+1}] per micro-batch and adds
+    fill[c_k, c_{k+1}] (default 0) to the first micro-batch's way through, and
+    `allowed[k, i, j]` says whether stage k may hold units i .. j - 1 (default: all).
+    With a wait_factor f, each stage of time t counts t * (1 + (f - 1) * (1 - t / T))
+    next to a slowest stage of T (as fluidps.transpiler.stage_costs.evaluate counts it),
+    and the cuts are within (f - 1)(p - 1) / 4m of the optimum (exact at f = 1).
     Returns (cuts, predicted step), or None when no cuts are allowed."""
     n = times.shape[0] - 1
     p = num_stages
@@ -84,18 +84,11 @@ def best_cuts(
     # Transposed, [j, i]: the least sum over where a stage starts is a reduction along rows.
     stage_times = [np.ascontiguousarray(np.where(mask, times, _INF).T) for mask in masks]
     stage_sums = [np.ascontiguousarray(np.where(mask, with_fill, _INF).T) for mask in masks]
-    stage_fills = [np.ascontiguousarray(np.where(mask, with_fill - times, 0.0).T) for mask in masks]
 
-    def least_sum(bound: float, factor: float = 1.0) -> tuple[float, tuple[int, ...]] | None:
-        """The least sum of stage times and fills with every stage's time <= bound, and its
-        cuts; each time t counted t * (factor - (factor - 1) * t / bound)."""
+    def least_sum(bound: float) -> tuple[float, tuple[int, ...]] | None:
+        """The least sum of stage times and fills with every stage's time <= bound, and its cuts."""
 
         def under(k: int, rows: slice) -> np.ndarray:
-            if factor != 1.0:
-                t = stage_times[k][rows]
-                with np.errstate(invalid="ignore", over="ignore"):
-                    counted = t * (factor - (factor - 1) * t / bound) + stage_fills[k][rows]
-                return np.where(t <= bound, counted, _INF)
             sums = stage_sums[k][rows]
             return sums if bound == _INF else np.where(stage_times[k][rows] <= bound, sums, _INF)
 
@@ -128,80 +121,48 @@ def best_cuts(
     unbounded = least_sum(_INF)
     if unbounded is None:
         return None
-    candidates = np.unique(np.concatenate([t[np.isfinite(t)] for t in stage_times]))  # every stage's time
-    if wait_factor != 1.0:
-        return _best_cuts_waiting(
-            times, micro_batches, wait_factor, fill, least_sum, candidates, least_slowest(), unbounded
-        )
     total, cuts = unbounded
     best = (total + (micro_batches - 1) * slowest(cuts), cuts)
-    if micro_batches == 1:
-        return cuts, best[0]
-    floor = least_slowest()
-    ceiling = slowest(cuts)
-    while True:
-        below = candidates[candidates < ceiling]
-        if len(below) == 0 or below[-1] < floor:
-            break
-        found = least_sum(float(below[-1]))
-        if found is None:
-            break
-        total, cuts = found
-        if total + (micro_batches - 1) * floor >= best[0]:
-            break  # a smaller bound only raises the sum: none can win
+    visited = [cuts]  # every bound's least-sum cuts
+    if micro_batches > 1:
+        candidates = np.unique(np.concatenate([t[np.isfinite(t)] for t in stage_times]))
+        floor = least_slowest()
         ceiling = slowest(cuts)
-        step = total + (micro_batches - 1) * ceiling
-        if step < best[0]:
-            best = (step, cuts)
-    return best[1], best[0]
-
-
-def _best_cuts_waiting(
-    times: np.ndarray,
-    micro_batches: int,
-    factor: float,
-    fill: np.ndarray | None,
-    least_sum: Callable[..., tuple[float, tuple[int, ...]] | None],  # best_cuts' dynamic program
-    bounds: np.ndarray,  # every time a stage may take, ascending
-    floor: float,
-    unbounded: tuple[float, tuple[int, ...]],
-) -> tuple[tuple[int, ...], float]:
-    """best_cuts when a waiting stage counts slower (factor > 1). For a bound B on the
-    slowest stage, counting every time t <= B as t * (factor - (factor - 1) * t / B) never
-    undercounts cuts whose slowest stage is T <= B (the count grows with B), and is exact
-    at B = T: so the least count over the bounds that are stage times is the optimum.
-    Since the count is at least t, the plain least sum under B bounds what any bound at
-    or below B can reach, and the walk down the stage times stops when that cannot win."""
-    m1 = micro_batches - 1
-
-    def step(cuts: tuple[int, ...]) -> float:
-        stage = [float(times[a, b]) for a, b in itertools.pairwise(cuts)]
-        slowest = max(stage)
-        counted = [t * (1 + (factor - 1) * (1 - t / slowest)) if slowest > 0 else t for t in stage]
-        fills = 0.0 if fill is None else sum(float(fill[a, b]) for a, b in itertools.pairwise(cuts))
-        return step_seconds(counted, micro_batches, fills)
-
-    plain_sum, plain_cuts = unbounded  # the least plain sum, valid for bounds down to its slowest stage
-    valid_to = max(float(times[a, b]) for a, b in itertools.pairwise(plain_cuts))
-    best = (step(plain_cuts), plain_cuts)
-    for bound in bounds[::-1]:
-        bound = float(bound)
-        if bound < floor:
-            break
-        if bound < valid_to:
-            found = least_sum(bound)
+        while True:
+            below = candidates[candidates < ceiling]
+            if len(below) == 0 or below[-1] < floor:
+                break
+            found = least_sum(float(below[-1]))
             if found is None:
                 break
-            plain_sum, plain_cuts = found
-            valid_to = max(float(times[a, b]) for a, b in itertools.pairwise(plain_cuts))
-        if plain_sum + m1 * floor >= best[0]:
-            break  # every bound from here down counts at least this: none can win
-        if plain_sum + m1 * bound >= best[0]:
-            continue  # this bound cannot win; a lower one may
-        found = least_sum(bound, factor)
-        if found is not None and (counted := step(found[1])) < best[0]:
-            best = (counted, found[1])
-    return best[1], best[0]
+            total, cuts = found
+            if total + (micro_batches - 1) * floor >= best[0]:
+                break  # a smaller bound only raises the sum: none can win
+            visited.append(cuts)
+            ceiling = slowest(cuts)
+            step = total + (micro_batches - 1) * ceiling
+            if step < best[0]:
+                best = (step, cuts)
+    if wait_factor == 1.0:
+        return best[1], best[0]
+    # The waiting stages' extra (MachineModel.wait_factor) is counted on the cuts the walk
+    # visited, the plain optimum among them: its extra is at most (f - 1) / 4 of the
+    # slowest stage for each other stage, and the step is at least m times the slowest,
+    # so what this returns is within (f - 1)(p - 1) / 4m of the optimum counted with it.
+    return min(
+        ((c, _counted_step(times, fill, c, micro_batches, wait_factor)) for c in visited), key=lambda x: x[1]
+    )
+
+
+def _counted_step(
+    times: np.ndarray, fill: np.ndarray | None, cuts: tuple[int, ...], micro_batches: int, factor: float
+) -> float:
+    """step_seconds of these cuts, each stage counted next to the slowest as evaluate counts it."""
+    stage = [float(times[a, b]) for a, b in itertools.pairwise(cuts)]
+    slowest = max(stage)
+    counted = [t * (1 + (factor - 1) * (1 - t / slowest)) if slowest > 0 else t for t in stage]
+    fills = 0.0 if fill is None else sum(float(fill[a, b]) for a, b in itertools.pairwise(cuts))
+    return step_seconds(counted, micro_batches, fills)
 
 
 # -- a program's units and what each costs ---------------------------------------------
