@@ -40,21 +40,35 @@ _WIDE = 32768  # the wide job's activation: 256 KiB a micro-batch
 
 def _stage_busy(width: int, steps: int) -> float:
     """Mean busy seconds a micro-batch of the two stages of x[4] -> fc(width) | fc(2) -> loss."""
+    busy = _two_stage_busy(4, (width,), (), 2, _ROWS, steps)
+    return statistics.mean(busy) / _MICRO_BATCHES
+
+
+def _two_stage_busy(
+    inputs: int, first: tuple[int, ...], second: tuple[int, ...], classes: int, rows: int, steps: int
+) -> list[float]:
+    """Each stage's busy seconds a step of x[inputs] -> relu layers `first` | relu layers
+    `second` -> fc(classes) -> loss, `rows` rows a micro-batch (RemoteExecutor, a process each)."""
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = 1
     with fluidps.program_guard(main, startup):
-        x = layers.data("x", [4])
+        h = layers.data("x", [inputs])
         y = layers.data("y", [1], dtype="int64")
         with fluidps.device_guard("stage:0"):
-            h = layers.fc(x, width, act="relu")
+            for width in first:
+                h = layers.fc(h, width, act="relu")
         with fluidps.device_guard("stage:1"):
-            loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 2), y))
+            for width in second:
+                h = layers.fc(h, width, act="relu")
+            loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, classes), y))
         fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.SGD(0.1), _MICRO_BATCHES).minimize(loss)
-    rows = _ROWS * _MICRO_BATCHES
     rng = np.random.default_rng(0)
-    feed = {"x": rng.random((rows, 4), np.float32), "y": np.zeros((rows, 1), np.int64)}
+    feed = {
+        "x": rng.random((rows * _MICRO_BATCHES, inputs), np.float32),
+        "y": np.zeros((rows * _MICRO_BATCHES, 1), np.int64),
+    }
     _, busy = time_stages(main, startup, [feed], steps)
-    return statistics.mean(busy) / _MICRO_BATCHES
+    return busy
 
 
 def measure_wait_factor(steps: int = 20) -> float:
@@ -68,27 +82,9 @@ def measure_wait_factor(steps: int = 20) -> float:
     return min(max(waiting / alone, 1.0), 2.0) if alone > 0 else 1.0
 
 
-def _second_stage_busy(first_widths: tuple[int, ...], steps: int) -> float:
-    """Busy seconds a step of the second stage of x[256] -> fc(first_widths) | 4 x fc(256) ->
-    fc(10) -> loss, 32 rows a micro-batch."""
-    main, startup = fluidps.Program(), fluidps.Program()
-    startup.random_seed = 1
-    with fluidps.program_guard(main, startup):
-        h = layers.data("x", [256])
-        y = layers.data("y", [1], dtype="int64")
-        with fluidps.device_guard("stage:0"):
-            for width in first_widths:
-                h = layers.fc(h, width, act="relu")
-        with fluidps.device_guard("stage:1"):
-            for _ in range(4):
-                h = layers.fc(h, 256, act="relu")
-            loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, 10), y))
-        fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.SGD(0.01), _MICRO_BATCHES).minimize(loss)
-    rows = 32 * _MICRO_BATCHES
-    rng = np.random.default_rng(0)
-    feed = {"x": rng.random((rows, 256), np.float32), "y": np.zeros((rows, 1), np.int64)}
-    _, busy = time_stages(main, startup, [feed], steps)
-    return busy[1]
+def _second_stage_busy(first: tuple[int, ...], steps: int) -> float:
+    """Busy seconds a step of the second stage of x[256] -> first | 4 x fc(256) -> fc(10)."""
+    return _two_stage_busy(256, first, (256,) * 4, 10, 32, steps)[1]
 
 
 @click.command()
