@@ -50,6 +50,7 @@ from fluidps.transpiler.stage_costs import (
     step_seconds,
     unit_of_ops,
     units_of,
+    waiting_slowdown,
 )
 
 _INF = float("inf")
@@ -159,8 +160,7 @@ def _counted_step(
 ) -> float:
     """step_seconds of these cuts, each stage counted next to the slowest as evaluate counts it."""
     stage = [float(times[a, b]) for a, b in itertools.pairwise(cuts)]
-    slowest = max(stage)
-    counted = [t * (1 + (factor - 1) * (1 - t / slowest)) if slowest > 0 else t for t in stage]
+    counted = [t * s for t, s in zip(stage, waiting_slowdown(stage, factor), strict=True)]
     fills = 0.0 if fill is None else sum(float(fill[a, b]) for a, b in itertools.pairwise(cuts))
     return step_seconds(counted, micro_batches, fills)
 

@@ -209,6 +209,15 @@ class StageCosts:
     step_s: float
 
 
+def waiting_slowdown(stage_seconds: Sequence[float], wait_factor: float) -> list[float]:
+    """How much slower each stage counts for waiting for the slowest, the more it waits:
+    1 + (wait_factor - 1) * (1 - t / T) (see MachineModel.wait_factor)."""
+    slowest = max(stage_seconds)
+    if slowest <= 0:
+        return [1.0] * len(stage_seconds)
+    return [1 + (wait_factor - 1) * (1 - t / slowest) for t in stage_seconds]
+
+
 def step_seconds(stage_seconds: Sequence[float], micro_batches: int, fill_seconds: float = 0.0) -> float:
     """The predicted step of stages taking these seconds per micro-batch (and the
     first micro-batch's `fill_seconds` of waiting for messages on its way)."""
@@ -236,11 +245,9 @@ def evaluate(
             if value.grad:
                 waits[home] += value.wait
     memory = [int(params[k] + in_flight(schedule_mode, k, p, micro_batches) * stash[k]) for k in range(p)]
-    slowest = max(c + m for c, m in zip(compute, messages, strict=True))
-    if slowest > 0:  # a stage waiting for a busier one runs slower, the more it waits (see MachineModel)
-        for k in range(p):
-            slower = 1 + (units.wait_factor - 1) * (1 - (compute[k] + messages[k]) / slowest)
-            compute[k], messages[k] = compute[k] * slower, messages[k] * slower
+    slower = waiting_slowdown([c + m for c, m in zip(compute, messages, strict=True)], units.wait_factor)
+    compute = [c * s for c, s in zip(compute, slower, strict=True)]
+    messages = [m * s for m, s in zip(messages, slower, strict=True)]
     times = [c + m for c, m in zip(compute, messages, strict=True)]
     step = step_seconds(times, micro_batches, sum(waits))
     return StageCosts(tuple(compute), tuple(messages), tuple(waits), tuple(memory), step)
