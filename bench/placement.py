@@ -8,7 +8,7 @@ Everything below is measured in one run, in this order:
 - "transport": `fluidps calibrate`'s fit of a message over fluidps's transport
   (alpha + beta * bytes) and this machine's rates, next to a raw pyzmq round trip of a
   small frame (bench.bandwidth's peer): what the model's messages are made of;
-- "profile": the program's ops timed on a micro-batch's rows (fluidps.executor.op_profile),
+- "profile": the program's ops timed on a micro-batch's rows (fluidps.executor.measure.op_profile),
   next to a busy neighbor for each other stage that shares this host, timed again before each run below, whose prediction uses the new times (this machine
   drifts by up to a third between minutes);
 - "split": for every cut between layers (stage 0 holds the first `cut` hidden layers),
@@ -44,8 +44,8 @@ from bench.bandwidth import zmq_bandwidth  # noqa: E402
 from fluidps import layers  # noqa: E402
 from fluidps.cli.calibrate_cmd import measure_stage_costs, measure_wait_factor  # noqa: E402
 from fluidps.cli.stage_timing import time_stages  # noqa: E402
-from fluidps.executor.calibrate import calibrate  # noqa: E402
-from fluidps.executor.op_profile import profile_ops  # noqa: E402
+from fluidps.executor.measure.calibrate import calibrate  # noqa: E402
+from fluidps.executor.measure.op_profile import profile_ops  # noqa: E402
 from fluidps.transpiler.cost_model import ANALYTIC, CostModel, CostModelWarning  # noqa: E402
 from fluidps.transpiler.partition import place_pipeline  # noqa: E402
 

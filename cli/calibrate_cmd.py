@@ -102,7 +102,7 @@ def calibrate(output: str | None, calls: int) -> None:
     pipeline stage process spends on a micro-batch besides its ops and messages; store
     them for placement by cost (a pipeline's messages cost its stages per byte what two
     stage processes measured, not what the round trips alone say)."""
-    from fluidps.executor.calibrate import calibrate as measure
+    from fluidps.executor.measure.calibrate import calibrate as measure
 
     try:
         model, fitted = measure(calls)

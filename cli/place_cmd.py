@@ -113,7 +113,7 @@ def _measure(
     main: Program, startup: Program, rows: int, micro_batches: int, stages: int, neighbors: int | None
 ) -> OpProfile:
     """Time every op of `main` on `rows` rows of made-up data, scaled to a stage's step of
-    `micro_batches` micro-batches (fluidps.executor.op_profile), in a process threaded as
+    `micro_batches` micro-batches (fluidps.executor.measure.op_profile), in a process threaded as
     each stage's will be (the cores shared by the stages), next to a busy neighbor for each
     other stage that runs at the same time on this host, and store the times."""
     cores = os.cpu_count() or 1
@@ -126,7 +126,7 @@ def _measure(
         files["main.pb"].write_bytes(main.serialize_to_string())
         files["startup.pb"].write_bytes(startup.serialize_to_string())
         np.savez(files["feed.npz"], **made_up_feed(main, rows))
-        command = [sys.executable, "-m", "fluidps.executor.op_profile", *map(str, files.values())]
+        command = [sys.executable, "-m", "fluidps.executor.measure.op_profile", *map(str, files.values())]
         try:
             done = subprocess.run(
                 [*command, "--micro-batches", str(micro_batches), "--neighbors", str(neighbors)],

@@ -163,7 +163,7 @@ class BlockRunner:
             raise ExecutionError(self._failure(index, env, e)) from e
 
     def run_timed(self, env: Any) -> list[float]:
-        """Run every op through its interpreted kernel, timing each (fluidps.executor.op_profile):
+        """Run every op through its interpreted kernel, timing each (fluidps.executor.measure.op_profile):
         seconds per op, in order."""
         seconds, clock = [], time.perf_counter
         for index, (guard, runner) in enumerate(zip(self._guards, self.runners, strict=True)):

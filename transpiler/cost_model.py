@@ -7,7 +7,7 @@ Three parts, each data that is measured once and stored:
   roofline analytic op times use), a fixed cost per op, and a message's time over the
   real transport, alpha + beta * bytes: what `fluidps calibrate` measures and writes
   to `calibration_path()`;
-- OpProfile: op times measured by running a program (fluidps.executor.op_profile),
+- OpProfile: op times measured by running a program (fluidps.executor.measure.op_profile),
   keyed by `op_signature` (type, attributes, shapes and dtypes): an op of another
   program with the same signature costs the same;
 - CostModel: an op's time (measured when its profile has it, else from the roofline),

@@ -17,8 +17,8 @@ import pytest
 import fluidps
 from fluidps import layers
 from fluidps.errors import Error
-from fluidps.executor.neighbors import busy_neighbors
-from fluidps.executor.op_profile import profile_ops
+from fluidps.executor.measure.neighbors import busy_neighbors
+from fluidps.executor.measure.op_profile import profile_ops
 from fluidps.transpiler.cost_model import op_signature
 
 
@@ -80,7 +80,7 @@ PARENT = """
 import sys, time
 import numpy as np
 from fluidps import Program
-from fluidps.executor.neighbors import busy_neighbors
+from fluidps.executor.measure.neighbors import busy_neighbors
 main = Program.parse_from_string(open(sys.argv[1], "rb").read())
 startup = Program.parse_from_string(open(sys.argv[2], "rb").read())
 feed = {"x": np.ones((4, 16), np.float32), "y": np.zeros((4, 1), np.int64)}

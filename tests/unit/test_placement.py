@@ -15,7 +15,7 @@ import pytest
 import fluidps
 from fluidps import layers
 from fluidps.errors import BuilderError, Error, UnsupportedError
-from fluidps.executor.op_profile import profile_ops
+from fluidps.executor.measure.op_profile import profile_ops
 from fluidps.ir.stages import phase
 from fluidps.transpiler.cost_model import (
     ANALYTIC,

@@ -18,7 +18,7 @@ backward once per micro-batch, its updates once a step), and every op's time is
 scaled by that stage's busy time over what the ops' medians add up to for the same
 step: the profile keeps the ops' proportions and the executor's total.
 
-Stages that share a host slow each other down, small ops most (fluidps.executor.neighbors
+Stages that share a host slow each other down, small ops most (fluidps.executor.measure.neighbors
 has the numbers). With `neighbors=k`, k processes run the program's steps while its ops
 and its reference step are timed, as a pipeline's other stages on the same host run
 while one stage works: the profile then holds the times such a stage sees.
@@ -35,7 +35,7 @@ import numpy as np
 
 from fluidps.errors import FeedError
 from fluidps.executor.executor import Executor, PreparedProgram
-from fluidps.executor.neighbors import busy_neighbors, one_stage, warm, whole_batch
+from fluidps.executor.measure.neighbors import busy_neighbors, one_stage, warm, whole_batch
 from fluidps.executor.scope import Scope
 from fluidps.ir.program import Program
 from fluidps.ir.stages import phase
@@ -119,7 +119,7 @@ def _stage_step(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m fluidps.executor.op_profile MAIN.pb STARTUP.pb FEED.npz OUT.json
+    """`python -m fluidps.executor.measure.op_profile MAIN.pb STARTUP.pb FEED.npz OUT.json
     [--micro-batches M] [--neighbors K]`: profile_ops in a process of its own, threaded as
     its environment says (as a stage process is: `fluidps place --measure` runs it with the
     stages' thread count, next to one neighbor for each other stage on this host)."""

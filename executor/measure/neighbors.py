@@ -5,7 +5,7 @@ Stages that share a host share its caches and memory bandwidth. A stage of small
 next to one streaming wide products runs much slower than it does alone (measured on
 the development host: a stage of six narrow layers, 30 ms a step alone, 48-55 ms next to
 a process running the wide layers), while the wide products barely notice. An op
-profile meant for such stages is taken next to neighbors (fluidps.executor.op_profile),
+profile meant for such stages is taken next to neighbors (fluidps.executor.measure.op_profile),
 so that the times it keeps are the times a stage sees.
 
     with busy_neighbors(main, startup, feed, micro_batches=8, count=1):
@@ -36,6 +36,7 @@ import numpy as np
 
 from fluidps.errors import Error
 from fluidps.executor.executor import Executor
+from fluidps.executor.launch.processes import stop_groups
 from fluidps.executor.scope import Scope
 from fluidps.ir.devices import PipelineConfig
 from fluidps.ir.program import Program
@@ -88,14 +89,25 @@ def busy_neighbors(
         files[0].write_bytes(program.serialize_to_string())
         files[1].write_bytes(startup.serialize_to_string())
         np.savez(files[2], **{name: np.asarray(value) for name, value in feed.items()})
-        command = [sys.executable, "-m", "fluidps.executor.neighbors", *map(str, files), str(micro_batches)]
+        command = [
+            sys.executable,
+            "-m",
+            "fluidps.executor.measure.neighbors",
+            *map(str, files),
+            str(micro_batches),
+        ]
         started: list[tuple[subprocess.Popen[str], Path]] = []
         try:
             for i in range(count):
                 log = Path(work) / f"neighbor{i}.err"  # (a file: a pipe nobody reads could fill and block it)
                 with log.open("w") as err:  # (stdin: a pipe whose end tells it this process is gone)
                     process = subprocess.Popen(
-                        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True
+                        command,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                        process_group=0,  # (stopped as a group, as every process fluidps starts)
                     )
                 started.append((process, log))
             deadline = time.monotonic() + ready_timeout_s
@@ -127,20 +139,12 @@ def _wait_ready(process: subprocess.Popen[str], log: Path, deadline: float) -> N
 
 
 def _stop(processes: list[subprocess.Popen[str]]) -> None:
-    """Stop every one (all told first, then each waited for; killed if it does not stop)."""
+    """Stop every one by its own id (SIGTERM, then SIGKILL: stop_groups), its pipes closed."""
     for process in processes:
         for stream in (process.stdin, process.stdout):
             if stream is not None:
                 stream.close()
-        if process.poll() is None:
-            process.terminate()
-    for process in processes:
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=10)
+    stop_groups(processes, term_timeout=10)
 
 
 def _exit_with_parent() -> None:
@@ -151,7 +155,7 @@ def _exit_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m fluidps.executor.neighbors MAIN.pb STARTUP.pb FEED.npz MICRO_BATCHES`: a
+    """`python -m fluidps.executor.measure.neighbors MAIN.pb STARTUP.pb FEED.npz MICRO_BATCHES`: a
     busy neighbor; prints `ready` once warm, then runs steps until stopped."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 4:

@@ -7,7 +7,7 @@
 - what an executor's run of a program costs besides its ops (a one-op program);
 - a message's time over the transport (fluidps.executor.transport.link).
 
-    python -m fluidps.executor.calibrate --rates   # (the child's side: one JSON line)
+    python -m fluidps.executor.measure.calibrate --rates   # (the child's side: one JSON line)
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def measure_rates() -> dict[str, float]:
 def _rates_in_child() -> dict[str, float]:
     env = {**os.environ, **dict.fromkeys(_ONE_THREAD, "1")}
     done = subprocess.run(
-        [sys.executable, "-m", "fluidps.executor.calibrate", "--rates"],
+        [sys.executable, "-m", "fluidps.executor.measure.calibrate", "--rates"],
         env=env,
         capture_output=True,
         text=True,
