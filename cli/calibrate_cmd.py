@@ -1,10 +1,16 @@
 """`fluidps calibrate`: measure this machine, its transport and a pipeline stage's own
-cost per micro-batch for the cost model (fluidps.transpiler.cost_model), and store them."""
+cost per micro-batch for the cost model (fluidps.transpiler.cost_model), and store them.
+
+The rates (a product's, a copy's) hold still between minutes; the constants a pipeline
+stage pays every micro-batch do not: on a shared host one measure of a message's send
+read 67 us and the next 214 us, a minute apart. They are measured in interleaved rounds
+and each is the median of its rounds, so one slow minute does not set them."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Sequence
 
 import click
 import numpy as np
@@ -14,6 +20,8 @@ from fluidps import layers
 from fluidps.cli.common import fail
 from fluidps.cli.stage_timing import time_stages
 from fluidps.errors import Error
+from fluidps.executor.measure.calibrate import calibrate as measure_machine
+from fluidps.executor.transport.link import measure_link
 from fluidps.transpiler.cost_model import MachineModel
 
 _MICRO_BATCHES = 8
@@ -87,6 +95,65 @@ def _second_stage_busy(first: tuple[int, ...], steps: int) -> float:
     return _two_stage_busy(256, first, (256,) * 4, 10, 32, steps)[1]
 
 
+# MachineModel's fields that a round measures: those charged to every micro-batch or message.
+# A stage's own cost and a send's are read off the same job (the job's time a micro-batch,
+# less its sends): a round that reads the send high reads the stage's own cost low. They
+# are taken together, from the round whose sum is the median, so that the model charges
+# what a job measured; the others are each their own median.
+STAGE_CONSTANTS = ("send_cpu_s", "stage_overhead_s", "stage_byte_s")
+ROUND_CONSTANTS = ("alpha_s", "beta_s", "wait_factor", *STAGE_CONSTANTS)
+
+
+def measure_round(model: MachineModel, calls: int = 40, steps: int = 20, link: dict | None = None) -> dict:
+    """One round of ROUND_CONSTANTS: the transport (`link`: a measure_link result already
+    taken, else one is taken now), then the stage jobs, which count the messages at this
+    round's send cost; and the round trips the transport was fitted from."""
+    link = measure_link(calls=calls) if link is None else link
+    now = dataclasses.replace(
+        model, alpha_s=link["alpha_s"], beta_s=link["beta_s"], send_cpu_s=link["send_cpu_s"]
+    )
+    overhead, per_byte = measure_stage_costs(now, steps)
+    return {
+        "alpha_s": now.alpha_s,
+        "beta_s": now.beta_s,
+        "send_cpu_s": now.send_cpu_s,
+        "stage_overhead_s": overhead,
+        "stage_byte_s": per_byte,
+        "wait_factor": measure_wait_factor(steps),
+        "round_trips": link["round_trips"],
+    }
+
+
+def with_medians(model: MachineModel, rounds: Sequence[dict]) -> MachineModel:
+    """`model` with ROUND_CONSTANTS from `rounds` (measure_round's): STAGE_CONSTANTS from the
+    round whose stage cost a micro-batch (its own plus a send each way) is the median (the
+    lower one of an even count), each other constant its own median."""
+    if not rounds:
+        raise Error("with_medians needs at least one round of measure_round")
+    per_micro_batch = [r["stage_overhead_s"] + 2 * r["send_cpu_s"] for r in rounds]
+    middle = rounds[per_micro_batch.index(statistics.median_low(per_micro_batch))]
+    others = {name: statistics.median(r[name] for r in rounds) for name in ROUND_CONSTANTS}
+    return dataclasses.replace(model, **{**others, **{name: middle[name] for name in STAGE_CONSTANTS}})
+
+
+def calibrate_machine(calls: int = 40, rounds: int = 3, steps: int = 20) -> tuple[MachineModel, list[dict]]:
+    """This machine's MachineModel: its rates measured once, ROUND_CONSTANTS the medians of
+    `rounds` interleaved rounds (measure_round's, also returned)."""
+    if rounds < 1:
+        raise Error(f"calibration needs at least one round, got rounds={rounds}")
+    model, link = measure_machine(calls)
+    measured = [measure_round(model, calls, steps, link)]
+    measured += [measure_round(model, calls, steps) for _ in range(rounds - 1)]
+    return with_medians(model, measured), measured
+
+
+def _spread(rounds: Sequence[dict], name: str, unit: float) -> str:
+    if len(rounds) < 2:
+        return ""
+    values = [r[name] * unit for r in rounds]
+    return f"  ({min(values):.3g}-{max(values):.3g} over {len(values)} rounds)"
+
+
 @click.command()
 @click.option(
     "-o",
@@ -95,22 +162,24 @@ def _second_stage_busy(first: tuple[int, ...], steps: int) -> float:
     help="Where to store it (default: the cost model's path).",
 )
 @click.option("--calls", type=int, default=40, show_default=True, help="Round trips timed per message size.")
-def calibrate(output: str | None, calls: int) -> None:
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Rounds of the per-message and per-micro-batch measures (each is their median).",
+)
+def calibrate(output: str | None, calls: int, rounds: int) -> None:
     """Measure this machine (one thread's matrix-product rate and memory bandwidth, an
     op's and a program run's fixed costs), a message between two processes over
     fluidps's transport (alpha + beta * bytes, and the sender's own work), and what a
     pipeline stage process spends on a micro-batch besides its ops and messages; store
     them for placement by cost (a pipeline's messages cost its stages per byte what two
-    stage processes measured, not what the round trips alone say)."""
-    from fluidps.executor.measure.calibrate import calibrate as measure
-
+    stage processes measured, not what the round trips alone say). What a stage pays per
+    micro-batch and per message drifts with the host's load: those are measured in
+    interleaved rounds, each the median of its rounds, their spread printed."""
     try:
-        model, fitted = measure(calls)
-        overhead, per_byte = measure_stage_costs(model)
-        factor = measure_wait_factor()
-        model = dataclasses.replace(
-            model, stage_overhead_s=overhead, stage_byte_s=per_byte, wait_factor=factor
-        )
+        model, measured = calibrate_machine(calls, rounds)
     except Error as e:
         fail(str(e))
     path = model.save(output)
@@ -119,13 +188,26 @@ def calibrate(output: str | None, calls: int) -> None:
     click.echo(f"  memory copy      {model.bandwidth / 1e9:8.1f} GB/s")
     click.echo(f"  one op           {model.op_overhead_s * 1e6:8.2f} us")
     click.echo(f"  one program run  {model.run_overhead_s * 1e6:8.2f} us besides its ops")
-    click.echo(f"  a stage's own    {model.stage_overhead_s * 1e6:8.1f} us a micro-batch")
+    click.echo(
+        f"  a stage's own    {model.stage_overhead_s * 1e6:8.1f} us a micro-batch"
+        + _spread(measured, "stage_overhead_s", 1e6)
+    )
     click.echo(
         f"  message          {model.alpha_s * 1e6:8.1f} us + {model.beta_s * 1e9:.3f} ns/byte on its way"
+        + _spread(measured, "alpha_s", 1e6)
     )
-    click.echo(f"  sending one      {model.send_cpu_s * 1e6:8.1f} us of the sender's time")
-    click.echo(f"  a byte to a stage {model.stage_byte_s * 1e9:7.3f} ns at each end")
-    click.echo(f"  a waiting stage  {model.wait_factor:8.2f} x slower than the slowest")
-    for size, seconds in fitted["round_trips"]:
-        click.echo(f"    round trip of {size:>9,} bytes: {seconds * 1e6:8.1f} us")
+    click.echo(
+        f"  sending one      {model.send_cpu_s * 1e6:8.1f} us of the sender's time"
+        + _spread(measured, "send_cpu_s", 1e6)
+    )
+    click.echo(
+        f"  a byte to a stage {model.stage_byte_s * 1e9:7.3f} ns at each end"
+        + _spread(measured, "stage_byte_s", 1e9)
+    )
+    click.echo(
+        f"  a waiting stage  {model.wait_factor:8.2f} x slower than the slowest"
+        + _spread(measured, "wait_factor", 1)
+    )
+    for size, seconds in measured[0]["round_trips"]:
+        click.echo(f"    round trip of {size:>9,} bytes: {seconds * 1e6:8.1f} us (first round)")
     click.echo(f"stored in {path}")

@@ -92,10 +92,11 @@ class MachineModel:
     with other micro-batches' work once it is full. `wait_factor`: how many times slower a stage
     runs when it waits for a busier peer between micro-batches than when it is the one
     the others wait for (its core goes idle, the busy peer empties the caches they
-    share; measured by two pipeline jobs, 1.15-1.5 on the development host; 1 when not
-    measured, at most 2): a stage of time t in a step whose slowest stage takes T is
-    counted t * (1 + (wait_factor - 1) * (1 - t / T)), so the slowest stage keeps its
-    time and none overtakes it."""
+    share; measured by two pipeline jobs, 1.0-1.7 on the development host; 1 when not
+    measured, at most 2): the ops of a stage of time t in a step whose slowest stage
+    takes T count (1 + (wait_factor - 1) * (1 - t / T)) times their time, so the slowest
+    stage keeps its time and none overtakes it. (A stage's own cost a micro-batch and its
+    messages' are not slowed: they were measured in jobs whose stages wait too.)"""
 
     gemm_flops: float
     bandwidth: float

@@ -66,14 +66,16 @@ def best_cuts(
     allowed: np.ndarray | None = None,
     fill: np.ndarray | None = None,
     wait_factor: float = 1.0,
+    slowed: np.ndarray | None = None,
 ) -> tuple[tuple[int, ...], float] | None:
     """The cut points 0 = c0 < c1 < ... < cp = n minimizing step_seconds, where stage k
     holds units c_k .. c_{k+1} - 1, takes times[c_k, c_{k+1}] per micro-batch and adds
     fill[c_k, c_{k+1}] (default 0) to the first micro-batch's way through, and
     `allowed[k, i, j]` says whether stage k may hold units i .. j - 1 (default: all).
-    With a wait_factor f, each stage of time t counts t * (1 + (f - 1) * (1 - t / T))
-    next to a slowest stage of T (as fluidps.transpiler.stage_costs.evaluate counts it),
-    and the cuts are within (f - 1)(p - 1) / 4m of the optimum (exact at f = 1).
+    With a wait_factor f, each stage of time t counts t + x * (f - 1) * (1 - t / T) next
+    to a slowest stage of T, where x = slowed[c_k, c_{k+1}] is the part of t that waiting
+    slows (its ops: default all of t; as fluidps.transpiler.stage_costs.evaluate counts
+    it), and the cuts are within (f - 1)(p - 1) / 4m of the optimum (exact at f = 1).
     Returns (cuts, predicted step), or None when no cuts are allowed."""
     n = times.shape[0] - 1
     p = num_stages
@@ -148,19 +150,29 @@ def best_cuts(
         return best[1], best[0]
     # The waiting stages' extra (MachineModel.wait_factor) is counted on the cuts the walk
     # visited, the plain optimum among them: its extra is at most (f - 1) / 4 of the
-    # slowest stage for each other stage, and the step is at least m times the slowest,
-    # so what this returns is within (f - 1)(p - 1) / 4m of the optimum counted with it.
+    # slowest stage for each other stage (x (1 - t / T) <= t (1 - t / T) <= T / 4), and
+    # the step is at least m times the slowest, so what this returns is within
+    # (f - 1)(p - 1) / 4m of the optimum counted with it.
+    slowed = times if slowed is None else slowed
     return min(
-        ((c, _counted_step(times, fill, c, micro_batches, wait_factor)) for c in visited), key=lambda x: x[1]
+        ((c, _counted_step(times, fill, c, micro_batches, wait_factor, slowed)) for c in visited),
+        key=lambda x: x[1],
     )
 
 
 def _counted_step(
-    times: np.ndarray, fill: np.ndarray | None, cuts: tuple[int, ...], micro_batches: int, factor: float
+    times: np.ndarray,
+    fill: np.ndarray | None,
+    cuts: tuple[int, ...],
+    micro_batches: int,
+    factor: float,
+    slowed: np.ndarray,
 ) -> float:
     """step_seconds of these cuts, each stage counted next to the slowest as evaluate counts it."""
-    stage = [float(times[a, b]) for a, b in itertools.pairwise(cuts)]
-    counted = [t * s for t, s in zip(stage, waiting_slowdown(stage, factor), strict=True)]
+    pairs = list(itertools.pairwise(cuts))
+    stage = [float(times[a, b]) for a, b in pairs]
+    ops = [float(slowed[a, b]) for a, b in pairs]
+    counted = [t + x * (s - 1) for t, x, s in zip(stage, ops, waiting_slowdown(stage, factor), strict=True)]
     fills = 0.0 if fill is None else sum(float(fill[a, b]) for a, b in itertools.pairwise(cuts))
     return step_seconds(counted, micro_batches, fills)
 
@@ -259,8 +271,8 @@ def place_pipeline(
             f"{p} pipeline stages need at least {p} forward ops, and the program has {n}: use fewer stages"
         )
     prefix = np.concatenate([[0.0], np.cumsum(units.compute)])
-    compute = prefix[None, :] - prefix[:, None] + units.run_s
-    times = compute + units.messages
+    ops = prefix[None, :] - prefix[:, None]
+    times = ops + units.run_s + units.messages
     params = np.concatenate([[0.0], np.cumsum(units.param_bytes)])
     stash = np.concatenate([[0.0], np.cumsum(units.stash_bytes)])
     boundary = units.cut_ok[:, None] & units.cut_ok[None, :]
@@ -281,7 +293,7 @@ def place_pipeline(
     uncapped = allowed.copy()
     if memory_cap is not None:
         allowed &= memory <= memory_cap
-    found = best_cuts(times, p, micro_batches, allowed, units.waits, units.wait_factor)
+    found = best_cuts(times, p, micro_batches, allowed, units.waits, units.wait_factor, ops)
     candidates = []  # (method, stage of each unit)
     if found is not None:
         candidates.append(("cuts", stages_of_cuts(found[0])))
@@ -290,7 +302,7 @@ def place_pipeline(
         candidates.append(("list", listed))
     if not candidates:
         fastest = (
-            best_cuts(times, p, micro_batches, uncapped, units.waits, units.wait_factor)
+            best_cuts(times, p, micro_batches, uncapped, units.waits, units.wait_factor, ops)
             if memory_cap is not None
             else None
         )

@@ -210,8 +210,8 @@ class StageCosts:
 
 
 def waiting_slowdown(stage_seconds: Sequence[float], wait_factor: float) -> list[float]:
-    """How much slower each stage counts for waiting for the slowest, the more it waits:
-    1 + (wait_factor - 1) * (1 - t / T) (see MachineModel.wait_factor)."""
+    """How much slower each stage's ops count for waiting for the slowest, the more it
+    waits: 1 + (wait_factor - 1) * (1 - t / T) (see MachineModel.wait_factor)."""
     slowest = max(stage_seconds)
     if slowest <= 0:
         return [1.0] * len(stage_seconds)
@@ -245,9 +245,10 @@ def evaluate(
             if value.grad:
                 waits[home] += value.wait
     memory = [int(params[k] + in_flight(schedule_mode, k, p, micro_batches) * stash[k]) for k in range(p)]
+    # A waiting stage's ops run slower (their data went cold); its own cost a micro-batch
+    # and its messages' were measured in jobs whose stages wait too, so they already hold it.
     slower = waiting_slowdown([c + m for c, m in zip(compute, messages, strict=True)], units.wait_factor)
-    compute = [c * s for c, s in zip(compute, slower, strict=True)]
-    messages = [m * s for m, s in zip(messages, slower, strict=True)]
+    compute = [units.run_s + (c - units.run_s) * s for c, s in zip(compute, slower, strict=True)]
     times = [c + m for c, m in zip(compute, messages, strict=True)]
     step = step_seconds(times, micro_batches, sum(waits))
     return StageCosts(tuple(compute), tuple(messages), tuple(waits), tuple(memory), step)

@@ -101,9 +101,10 @@ def _rates_in_child() -> dict[str, float]:
 
 
 def calibrate(calls: int = 40) -> tuple[MachineModel, dict]:
-    """This machine's MachineModel (calibrated), and what it was fitted from; its
-    stage_overhead_s is the analytic one until a pipeline job measures it
-    (fluidps.cli.calibrate_cmd.measure_stage_costs: this room starts no jobs)."""
+    """This machine's MachineModel (calibrated), and the transport's measure it was fitted
+    from (fluidps.executor.transport.link.measure_link's); its stage_overhead_s is the
+    analytic one until a pipeline job measures it (fluidps.cli.calibrate_cmd: this room
+    starts no jobs)."""
     rates = _rates_in_child()
     link = measure_link(calls=calls)
     model = MachineModel(
@@ -118,7 +119,7 @@ def calibrate(calls: int = 40) -> tuple[MachineModel, dict]:
         machine=machine_id(),
         calibrated=True,
     )
-    return model, {"round_trips": link["round_trips"]}
+    return model, link
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,7 +51,9 @@ def test_calibrate_then_place_measure_and_transpile_the_placed_program(tmp_path)
     assert "warning: no transport calibration" in uncalibrated.stderr
     assert "predicted step" in uncalibrated.stdout
 
-    calibrated = run("calibrate", "--calls", "5", env=env)
+    refused = run("calibrate", "--rounds", "0", env=env)
+    assert refused.returncode != 0 and "--rounds" in refused.stderr
+    calibrated = run("calibrate", "--calls", "5", "--rounds", "1", env=env)  # (the default takes three)
     assert calibrated.returncode == 0, calibrated.stderr
     assert f"stored in {tmp_path / 'calibration.json'}" in calibrated.stdout
     model = load_machine(tmp_path / "calibration.json")

@@ -332,7 +332,7 @@ def test_the_pipeline_bench_compares_each_schedule_with_local_training():
 
 
 def test_the_placement_bench_measures_every_split_and_the_automatic_one():
-    transport, profile, *splits, auto, sliced, whole, planning = bench("placement", "--quick")
+    transport, profile, *splits, auto, repeat, sliced, whole, planning = bench("placement", "--quick")
     assert (
         transport["row"] == "transport"
         and transport["alpha_us"] > 0
@@ -350,6 +350,26 @@ def test_the_placement_bench_measures_every_split_and_the_automatic_one():
     assert auto["vs_best"] == pytest.approx(auto["step_ms"] / auto["best_step_ms"], rel=1e-2)
     assert auto["vs_equal"] == pytest.approx(auto["step_ms"] / auto["equal_step_ms"], rel=1e-2)
     assert 1 <= transport["wait_factor"] <= 2 and profile["neighbors"] == min(2, os.cpu_count() or 1) - 1
+    assert len(transport["rounds"]) == 1 and transport["rounds"][0]["wait_factor"] == transport["wait_factor"]
+    assert all(
+        r["constants"] == {k: transport[k] for k in r["constants"]} for r in [*splits, auto]
+    )  # (--quick)
+    by_cut = {r["cut"]: r for r in splits}
+    assert repeat["row"] == "repeat" and [repeat[w]["cut"] for w in ("best", "equal", "last")] == [
+        best["cut"],
+        2,
+        3,
+    ]
+    moves = []
+    for which in ("best", "equal", "last"):
+        row = repeat[which]
+        assert row["first_busy_ms"] == by_cut[row["cut"]]["busy_ms"]
+        assert row["again_over_first"] == [
+            pytest.approx(b / a, abs=0.002)
+            for a, b in zip(row["first_busy_ms"], row["again_busy_ms"], strict=True)
+        ]
+        moves += [abs(r - 1) for r in row["again_over_first"]]
+    assert repeat["largest_move"] == pytest.approx(max(moves), abs=0.002)
     assert planning["ops"] > 800 and planning["stages"] == 4
     assert sliced["sliced"] and not whole["sliced"]
     for row in (sliced, whole):

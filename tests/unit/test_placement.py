@@ -14,6 +14,7 @@ import pytest
 
 import fluidps
 from fluidps import layers
+from fluidps.cli.calibrate_cmd import ROUND_CONSTANTS, calibrate_machine, with_medians
 from fluidps.errors import BuilderError, Error, UnsupportedError
 from fluidps.executor.measure.op_profile import profile_ops
 from fluidps.ir.stages import phase
@@ -34,13 +35,18 @@ from fluidps.transpiler.stage_costs import evaluate, units_of
 # -- the exact search ----------------------------------------------------------------------
 
 
-def counted(stage_times, wait_factor):
-    """Each stage's time as the step counts it next to the slowest (see MachineModel.wait_factor)."""
+def counted(stage_times, wait_factor, slowed=None):
+    """Each stage's time as the step counts it next to the slowest: its ops (`slowed`, the
+    part of each time that waiting slows; default all of it) slower (MachineModel.wait_factor)."""
     slowest = max(stage_times)
-    return [t * (1 + (wait_factor - 1) * (1 - t / slowest)) if slowest > 0 else t for t in stage_times]
+    slowed = stage_times if slowed is None else slowed
+    return [
+        t + x * (wait_factor - 1) * (1 - t / slowest) if slowest > 0 else t
+        for t, x in zip(stage_times, slowed, strict=True)
+    ]
 
 
-def brute_force(times, p, m, allowed, fill, wait_factor=1.0):
+def brute_force(times, p, m, allowed, fill, wait_factor=1.0, slowed=None):
     """Every cut of n units into p stages: the least predicted step, and every cut reaching it."""
     n = times.shape[0] - 1
     best, argbest = None, []
@@ -49,7 +55,8 @@ def brute_force(times, p, m, allowed, fill, wait_factor=1.0):
         pairs = list(itertools.pairwise(cuts))
         if allowed is not None and not all(allowed[k, a, b] for k, (a, b) in enumerate(pairs)):
             continue
-        stage = counted([times[a, b] for a, b in pairs], wait_factor)
+        ops = None if slowed is None else [slowed[a, b] for a, b in pairs]
+        stage = counted([times[a, b] for a, b in pairs], wait_factor, ops)
         step = step_seconds(stage, m, sum(fill[a, b] for a, b in pairs))
         if best is None or step < best - 1e-9:
             best, argbest = step, [cuts]
@@ -58,15 +65,16 @@ def brute_force(times, p, m, allowed, fill, wait_factor=1.0):
     return best, argbest
 
 
-def chain(rng, n):
+def chain(rng, n, with_ops=False):
     """Stage times of a chain of n units: integer compute (zeros and ties on purpose) plus
-    integer messages at each cut, and integer fills."""
+    integer messages at each cut, and integer fills (and the compute part of each time)."""
     compute = rng.integers(0, 4, n).astype(float)
     messages = rng.integers(0, 3, n + 1).astype(float)
     prefix = np.concatenate([[0.0], np.cumsum(compute)])
-    times = prefix[None, :] - prefix[:, None] + messages[:, None] + messages[None, :]
+    ops = prefix[None, :] - prefix[:, None]
+    times = ops + messages[:, None] + messages[None, :]
     fill = rng.integers(0, 3, (n + 1, n + 1)).astype(float)
-    return times, fill
+    return (times, fill, ops) if with_ops else (times, fill)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -93,18 +101,20 @@ def test_with_a_wait_factor_the_cuts_are_within_the_bound_of_brute_force(seed, w
     exact = 0
     for case in range(60):
         n, p, m = int(rng.integers(1, 13)), int(rng.integers(1, 5)), int(rng.integers(1, 10))
-        times, fill = chain(rng, n)
+        times, fill, ops = chain(rng, n, with_ops=True)
         fill = fill if case % 3 else np.zeros_like(fill)
         allowed = rng.random((p, n + 1, n + 1)) > 0.2 if case % 2 else None
-        found = best_cuts(times, p, m, allowed, fill, wait_factor)
-        best, argbest = brute_force(times, p, m, allowed, fill, wait_factor)
+        slowed = ops if case % 4 < 2 else None  # the factor slows the ops only, or all the time
+        found = best_cuts(times, p, m, allowed, fill, wait_factor, slowed)
+        best, argbest = brute_force(times, p, m, allowed, fill, wait_factor, slowed)
         if best is None:
             assert found is None, (n, p, m)
             continue
         cuts, step = found
         pairs = list(itertools.pairwise(cuts))
+        part = None if slowed is None else [slowed[a, b] for a, b in pairs]
         counted_step = step_seconds(
-            counted([times[a, b] for a, b in pairs], wait_factor), m, sum(fill[a, b] for a, b in pairs)
+            counted([times[a, b] for a, b in pairs], wait_factor, part), m, sum(fill[a, b] for a, b in pairs)
         )
         assert step == pytest.approx(counted_step, abs=1e-9)  # it reports what its cuts count
         assert best - 1e-9 <= step <= best * (1 + (wait_factor - 1) * (p - 1) / (4 * m)) + 1e-9, (n, p, m)
@@ -329,10 +339,15 @@ def test_a_stage_waiting_for_a_busier_one_is_slower_the_more_it_waits():
         before = evaluate(plain_units, placement.unit_stages, stages, m, "1F1B")
         after = evaluate(waiting_units, placement.unit_stages, stages, m, "1F1B")
         times = [c + s for c, s in zip(before.compute_s, before.message_s, strict=True)]
-        slowest = max(times)
-        assert [c + s for c, s in zip(after.compute_s, after.message_s, strict=True)] == pytest.approx(
-            [t * (1 + 0.5 * (1 - t / slowest)) for t in times], rel=1e-9
-        )  # the slowest stage keeps its time; the others count slower, the more they wait
+        slowest, run = max(times), plain_units.run_s
+        assert after.message_s == before.message_s
+        assert list(after.compute_s) == pytest.approx(
+            [
+                run + (c - run) * (1 + 0.5 * (1 - t / slowest))
+                for c, t in zip(before.compute_s, times, strict=True)
+            ],
+            rel=1e-9,
+        )  # the slowest stage keeps its time; the others' ops count slower, the more they wait
         assert after.step_s == pytest.approx(placement.predicted_step_s, rel=1e-9)
         other = place_pipeline(plain, stages, m, CostModel(steady), 64)  # no better, counted the same way
         assert (
@@ -341,6 +356,31 @@ def test_a_stage_waiting_for_a_busier_one_is_slower_the_more_it_waits():
     for factor in (0.9, 2.5):
         with pytest.raises(Error, match=rf"wait_factor must be a number from 1 to 2, got {factor}"):
             dataclasses.replace(steady, wait_factor=factor)
+
+
+def test_the_constants_of_several_rounds_are_their_medians_and_the_rates_are_kept():
+    measured = MachineModel(1e11, 1e10, 1e-6, 1e-5, 3e-4, 1e-4, 1e-9, 1e-5, calibrated=True)
+    rounds = [  # one slow minute in the middle round (the send), another in the last (the factor)
+        {"alpha_s": 3e-4, "beta_s": 5e-10, "send_cpu_s": 7e-5, "stage_overhead_s": 3.0e-4,
+         "stage_byte_s": 1.2e-9, "wait_factor": 1.3, "round_trips": []},
+        {"alpha_s": 7e-4, "beta_s": 6e-10, "send_cpu_s": 2.1e-4, "stage_overhead_s": 2.9e-4,
+         "stage_byte_s": 1.1e-9, "wait_factor": 1.35, "round_trips": []},
+        {"alpha_s": 2.5e-4, "beta_s": 5.5e-10, "send_cpu_s": 1e-4, "stage_overhead_s": 3.4e-4,
+         "stage_byte_s": 1.4e-9, "wait_factor": 1.7, "round_trips": []},
+    ]  # fmt: skip
+    model = with_medians(measured, rounds)
+    assert (model.alpha_s, model.beta_s, model.wait_factor) == (3e-4, 5.5e-10, 1.35)
+    # a stage's own cost and a send, from the round whose sum (a micro-batch's: 440, 710 and
+    # 540 us) is the median: the last; not 300 us and 100 us from two rounds
+    assert (model.send_cpu_s, model.stage_overhead_s, model.stage_byte_s) == (1e-4, 3.4e-4, 1.4e-9)
+    assert (
+        dataclasses.replace(model, **{name: getattr(measured, name) for name in ROUND_CONSTANTS}) == measured
+    )
+    assert with_medians(measured, rounds[:1]).send_cpu_s == 7e-5  # one round: its own numbers
+    with pytest.raises(Error, match="at least one round"):
+        with_medians(measured, [])
+    with pytest.raises(Error, match="at least one round, got rounds=0"):
+        calibrate_machine(rounds=0)
 
 
 def test_damaged_calibration_and_profile_files_are_errors_naming_them(tmp_path):
