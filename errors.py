@@ -95,6 +95,11 @@ class DatasetError(Error, ValueError):
     match its fields or its checksum, records outside a shard."""
 
 
+class StreamError(Error, ValueError):
+    """A stream that cannot be read or appended to: records that do not match its fields,
+    offsets retired or not yet written, a damaged segment or manifest."""
+
+
 class CheckpointError(Error, ValueError):
     """A checkpoint that cannot be written or restored: corrupt (checksum mismatch),
     incomplete, or not matching the variables it should restore."""

@@ -1,5 +1,5 @@
 """The `fluidps` command line: inspect, dot, transpile, place, calibrate, launch, serve,
-keys, secret, data, checkpoint, k8s.
+keys, secret, data, stream, checkpoint, k8s.
 
 Every command turns bad input into one line on stderr and exit status 2;
 a check that finds problems exits with 1.
@@ -19,6 +19,7 @@ from fluidps.cli.launch_cmd import launch
 from fluidps.cli.place_cmd import place
 from fluidps.cli.program_cmds import dot, inspect
 from fluidps.cli.serve_cmd import keys, secret, serve
+from fluidps.cli.stream_cmd import stream
 from fluidps.cli.transpile_cmd import transpile
 
 
@@ -38,5 +39,6 @@ main.add_command(serve)
 main.add_command(keys)
 main.add_command(secret)
 main.add_command(data)
+main.add_command(stream)
 main.add_command(checkpoint)
 main.add_command(k8s)

@@ -1,10 +1,11 @@
 """Saving and loading variables, persistables and inference models in
-PaddlePaddle's own file formats (no pickle anywhere).
+PaddlePaddle's own file formats (no pickle anywhere); datasets and streams of records.
 
     fluidps.io.save_persistables(exe, "ckpt", main)           # one file per variable
     fluidps.io.load_persistables(exe, "ckpt", main)
     fluidps.io.save_inference_model("model", ["x"], [pred], exe, main)
     program, feed_names, fetch_targets = fluidps.io.load_inference_model("model", exe)
+    log = fluidps.io.StreamLog("clicks"); log.append({"ids": ids, "label": labels})
 
 May import: fluidps.errors, fluidps.ir, fluidps.ops
 """
@@ -22,6 +23,8 @@ from fluidps.io.persistables import (
     save_persistables,
     save_vars,
 )
+from fluidps.io.stream import BadRecord, Records, StreamSource, open_stream
+from fluidps.io.stream_log import StreamLog
 from fluidps.io.tensor_file import (
     TensorReader,
     lod_tensor_from_bytes,
@@ -31,9 +34,13 @@ from fluidps.io.tensor_file import (
 )
 
 __all__ = [
+    "BadRecord",
     "Dataset",
     "Field",
+    "Records",
     "Shard",
+    "StreamLog",
+    "StreamSource",
     "Task",
     "TensorReader",
     "is_parameter",
@@ -45,6 +52,7 @@ __all__ = [
     "lod_tensor_from_bytes",
     "lod_tensor_to_bytes",
     "merge_checkpoints",
+    "open_stream",
     "prune_for_inference",
     "save_inference_model",
     "save_params",

@@ -1,7 +1,8 @@
 """tasks: datasets as tasks, handed out and read.
 
-Owns the coordinator's bookkeeping (task_queue.py: todo, pending, done and
-discarded, pass by pass), the coordinator process around it (coordinator.py),
+Owns the coordinator's bookkeeping (leases.py: todo, pending, failures and discarded
+items under leases; task_queue.py: a dataset's tasks, pass by pass; window_queue.py: a
+stream's windows and its committed offset), the coordinator process around it (coordinator.py),
 a trainer's connection to it (coordinator_client.py), and the readers that turn
 tasks into mini-batches (task_reader.py; with no coordinator they read from a
 queue in their own process, and load no ZeroMQ).

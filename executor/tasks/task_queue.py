@@ -1,13 +1,10 @@
-"""The coordinator's task bookkeeping: todo, pending, done and discarded, pass by pass.
+"""The coordinator's task bookkeeping for a dataset: todo, pending, done and discarded,
+pass by pass.
 
-A trainer `acquire`s a task and gets a lease on it; it reports the lease
-`finish`ed or `fail`ed. A lease that expires (its trainer died or hangs), a
-failure, or the trainer restarting sends the task back to todo with its
-failure count + 1; past `max_failures` the task is discarded for the rest of
-the job and reported. Only the current lease of a pending task can finish it,
-so a task is counted done at most once per pass, even when a trainer thought
-dead reports late. When todo and pending are both empty the pass is over and
-the next one starts, with the surviving tasks in a new order.
+A trainer `acquire`s a task and gets a lease on it; it reports the lease `finish`ed or
+`fail`ed (fluidps.executor.tasks.leases has the rules: expiry, failures, discarding, a
+late report from a trainer thought dead). When todo and pending are both empty the pass
+is over and the next one starts, with the surviving tasks in a new order.
 
 Pure state, no clock and no I/O: callers pass `now` (seconds, monotonic) and
 persist `to_snapshot()`, which `from_snapshot` restores exactly, pending
@@ -24,20 +21,12 @@ from typing import Any
 import numpy as np
 
 from fluidps.errors import Error
+from fluidps.executor.tasks.leases import Lease, LeaseBook
 from fluidps.io.dataset import Task
 
+__all__ = ["Lease", "QueueConfig", "TaskQueue"]
+
 SNAPSHOT_VERSION = 1
-
-
-@dataclass
-class Lease:
-    id: int
-    task: int
-    trainer: int
-    worker: str  # the trainer process's incarnation
-    attempt: int  # failures the task had when this lease was given
-    deadline: float = 0.0
-    allowed: float = 0.0  # the seconds of silence its deadline allows (the queue's timeout, or stretched)
 
 
 @dataclass(frozen=True)
@@ -55,27 +44,20 @@ class QueueConfig:
             raise Error(f"passes and records_per_task must be >= 1: {self}")
 
 
-class TaskQueue:
+class TaskQueue(LeaseBook):
     def __init__(
         self, config: QueueConfig, tasks: Sequence[Task], timeout: float = 60.0, max_failures: int = 3
     ):
-        if timeout <= 0 or max_failures < 0:
-            raise Error(f"task timeout must be > 0 and max_failures >= 0, got {timeout}, {max_failures}")
+        super().__init__(timeout, max_failures)
         self.config = config
         self.tasks = list(tasks)
-        self.timeout = timeout
-        self.max_failures = max_failures
         self.pass_index = 0
-        self.failures: dict[int, int] = {}
-        self.discarded: dict[int, str] = {}  # task id -> why (its last failure)
-        self.todo: deque[int] = deque(self._order(0))
-        self.pending: dict[int, Lease] = {}  # task id -> its current lease
+        self.todo = deque(self._order(0))
         self.done: list[int] = []  # this pass, in the order they finished
         self.history: list[dict[str, Any]] = []  # one summary per finished pass
         self.samples = 0  # this pass
         self.loss_sum = 0.0  # this pass: sum of loss x samples of tasks that reported a loss
         self.loss_samples = 0
-        self.next_lease = 1
 
     # -- the protocol --------------------------------------------------------------------
 
@@ -83,101 +65,32 @@ class TaskQueue:
     def finished(self) -> bool:
         return self.pass_index >= self.config.passes
 
-    def replaced(self, trainer: int, worker: str) -> list[tuple[Lease, str]]:
-        """Fail the leases an earlier process of this trainer id held (it restarted):
-        [(lease, "requeued" or "discarded")]."""
-        old = [le for le in self.pending.values() if le.trainer == trainer and le.worker != worker]
-        return [(le, self._failed(le, f"trainer {trainer} restarted while it held the task")) for le in old]
-
     def acquire(self, trainer: int, worker: str, now: float, allowed: float | None = None) -> Lease | str:
         """A lease on the next task, the same lease again if this worker already holds one,
         "wait" (the pass ends once the pending tasks finish) or "finished". Its deadline
         is `allowed` seconds away (default: the queue's timeout)."""
         self.expire(now)
         self.replaced(trainer, worker)
-        for lease in self.pending.values():
-            if lease.worker == worker:
-                return lease
+        if (held := self.held_by(worker)) is not None:
+            return held
         if self.finished:
             return "finished"
-        if not self.todo:
-            return "wait"
-        task = self.todo.popleft()
-        allowed = allowed or self.timeout
-        lease = Lease(
-            self.next_lease, task, trainer, worker, self.failures.get(task, 0), now + allowed, allowed
-        )
-        self.next_lease += 1
-        self.pending[task] = lease
-        return lease
+        return self.lease_next(trainer, worker, now, allowed) or "wait"
 
     def finish(self, lease_id: int, worker: str, samples: int = 0, loss: float | None = None) -> bool:
         """Count the lease's task done; False for a lease that is no longer current."""
-        lease = self._current(lease_id, worker)
+        lease = self.end_lease(lease_id, worker)
         if lease is None:
             return False
-        del self.pending[lease.task]
         self.done.append(lease.task)
         self.samples += samples
         if loss is not None and samples > 0:
             self.loss_sum += loss * samples
             self.loss_samples += samples
-        self._maybe_next_pass()
-        return True
-
-    def fail(self, lease_id: int, worker: str, reason: str) -> str:
-        """ "requeued", "discarded" or "stale" (not a current lease: nothing changes)."""
-        lease = self._current(lease_id, worker)
-        if lease is None:
-            return "stale"
-        return self._failed(lease, reason)
-
-    def release(self, lease_id: int, worker: str) -> bool:
-        """Give a task back unfinished without counting a failure (a trainer stopping early)."""
-        lease = self._current(lease_id, worker)
-        if lease is None:
-            return False
-        del self.pending[lease.task]
-        self.todo.appendleft(lease.task)
-        return True
-
-    def expire(self, now: float) -> list[tuple[Lease, str]]:
-        """Fail every lease past its deadline: [(lease, "requeued" or "discarded")]."""
-        late = [lease for lease in self.pending.values() if lease.deadline <= now]
-        return [(lease, self._failed(lease, f"timed out after {self.allowed(lease):g} s")) for lease in late]
-
-    def allowed(self, lease: Lease) -> float:
-        return lease.allowed or self.timeout
-
-    def renew(self, lease_id: int, worker: str, now: float, allowed: float | None = None) -> bool:
-        """Push a current lease's deadline back (its trainer is alive and working on it),
-        `allowed` seconds away (default: the queue's timeout)."""
-        lease = self._current(lease_id, worker)
-        if lease is None:
-            return False
-        lease.allowed = allowed or self.timeout
-        lease.deadline = now + lease.allowed
+        self._changed()
         return True
 
     # -- inside ----------------------------------------------------------------------------
-
-    def _current(self, lease_id: int, worker: str) -> Lease | None:
-        for lease in self.pending.values():
-            if lease.id == lease_id:
-                return lease if lease.worker == worker else None
-        return None
-
-    def _failed(self, lease: Lease, reason: str) -> str:
-        del self.pending[lease.task]
-        count = self.failures[lease.task] = self.failures.get(lease.task, 0) + 1
-        if count > self.max_failures:
-            self.discarded[lease.task] = reason
-            outcome = "discarded"
-        else:
-            self.todo.append(lease.task)
-            outcome = "requeued"
-        self._maybe_next_pass()
-        return outcome
 
     def _order(self, pass_index: int) -> list[int]:
         ids = [t.id for t in self.tasks if t.id not in self.discarded]
@@ -186,7 +99,8 @@ class TaskQueue:
             ids = [ids[i] for i in rng.permutation(len(ids))]
         return ids
 
-    def _maybe_next_pass(self) -> None:
+    def _changed(self) -> None:
+        """The pass is over once nothing is left to do or pending: the next one starts."""
         if self.todo or self.pending or self.finished:
             return
         self.history.append(
@@ -240,10 +154,7 @@ class TaskQueue:
             "max_failures": self.max_failures,
             "pass": self.pass_index,
             "todo": list(self.todo),
-            "pending": [
-                {k: v for k, v in asdict(lease).items() if k not in ("deadline", "allowed")}
-                for lease in self.pending.values()
-            ],
+            "pending": self._lease_snapshot(),
             "done": self.done,
             "failures": {str(t): n for t, n in self.failures.items()},
             "discarded": {str(t): why for t, why in self.discarded.items()},
@@ -266,10 +177,7 @@ class TaskQueue:
             )
             queue.pass_index = int(snapshot["pass"])
             queue.todo = deque(int(t) for t in snapshot["todo"])
-            queue.pending = {}
-            for item in snapshot["pending"]:
-                lease = Lease(**item, deadline=now + queue.timeout, allowed=queue.timeout)
-                queue.pending[lease.task] = lease
+            queue._restore_leases(snapshot["pending"], now)
             queue.done = [int(t) for t in snapshot["done"]]
             queue.failures = {int(t): int(n) for t, n in snapshot["failures"].items()}
             queue.discarded = {int(t): str(why) for t, why in snapshot["discarded"].items()}

@@ -1,0 +1,232 @@
+"""The coordinator's bookkeeping for a stream: windows of offsets, handed out as tasks.
+
+A stream has no passes and no end. The coordinator cuts the records that arrived into
+windows, `[start, stop)` of offsets: a window closes once it holds `window_records`
+records or once its first record has waited `window_seconds` (then it takes what has
+arrived), whichever comes first. Windows are leased like a dataset's tasks
+(fluidps.executor.tasks.leases: expiry, failures, retries, discarding).
+
+A window counts as done when its trainer reports its gradients applied. The stream's
+committed offset is the start of the first window not done (or discarded): everything
+before it is applied, and it only moves forward. The coordinator persists the queue
+before it commits that offset to the source, so a crash between the two commits it
+again on restart, and nothing is lost.
+
+Pure state, no clock and no I/O: callers pass `now` (seconds, monotonic), the stream's
+end offset, and how to count records forward from an offset (offsets need not be dense).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fluidps.errors import Error
+from fluidps.executor.tasks.leases import Lease, LeaseBook
+
+SNAPSHOT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    """What a window queue cuts: windows of `source` (its spec) for consumer `group`."""
+
+    source: str
+    group: str
+    window_records: int
+    window_seconds: float | None = None  # None: windows close on their record count only
+
+    def __post_init__(self) -> None:
+        if self.window_records < 1:
+            raise Error(f"window_records must be >= 1, got {self.window_records}")
+        if self.window_seconds is not None and not (
+            self.window_seconds > 0 and math.isfinite(self.window_seconds)
+        ):
+            raise Error(f"window_seconds must be a number > 0 or None, got {self.window_seconds}")
+
+
+@dataclass(frozen=True)
+class Window:
+    id: int
+    start: int
+    stop: int
+
+
+# advance(start, count): (stop, n): the offset after the first `count` records from
+# `start`, or after the last one when fewer have arrived, and how many records that is
+Advance = Callable[[int, int], tuple[int, int]]
+
+
+class WindowQueue(LeaseBook):
+    retry_first = True  # the committed offset waits for a failed window: it goes again first
+
+    def __init__(self, config: WindowConfig, start: int, timeout: float = 60.0, max_failures: int = 3):
+        super().__init__(timeout, max_failures)
+        self.config = config
+        self.windows: dict[int, Window] = {}  # cut, not yet below the committed offset
+        self.done: set[int] = set()  # windows done, not yet below the committed offset
+        self.applied: dict[int, dict[str, Any]] = {}  # window -> what its trainer reported applied
+        self.next_start = start  # the first offset in no window
+        self.committed = start  # every record before it is applied (or its window discarded)
+        self.waiting_since: float | None = None  # when records past next_start were first seen
+        self.next_window = 0
+        self.records = 0  # records of the windows done
+        self.stopping = False  # draining: no new windows
+
+    # -- cutting ---------------------------------------------------------------------------
+
+    def offer(self, end: int, now: float, advance: Advance) -> list[Window]:
+        """Cut the windows the records up to offset `end` make now; returns them."""
+        cut: list[Window] = []
+        while not self.stopping and end > self.next_start:
+            if self.waiting_since is None:
+                self.waiting_since = now
+            stop, records = advance(self.next_start, self.config.window_records)
+            full = records >= self.config.window_records
+            late = (
+                self.config.window_seconds is not None
+                and now - self.waiting_since >= self.config.window_seconds
+            )
+            if not (full or late) or stop <= self.next_start:
+                break
+            window = Window(self.next_window, self.next_start, stop)
+            self.next_window += 1
+            self.windows[window.id] = window
+            self.todo.append(window.id)
+            self.next_start = stop
+            self.waiting_since = now if end > stop else None
+            cut.append(window)
+        return cut
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    def acquire(self, trainer: int, worker: str, now: float, allowed: float | None = None) -> Lease | str:
+        """A lease on the next window, the same lease again if this worker holds one,
+        "wait" (no window is ready) or "stopped" (draining, and nothing is left)."""
+        self.expire(now)
+        self.replaced(trainer, worker)
+        if (held := self.held_by(worker)) is not None:
+            return held
+        lease = self.lease_next(trainer, worker, now, allowed)
+        if lease is not None:
+            return lease
+        return "stopped" if self.stopping and not self.pending else "wait"
+
+    def finish(self, lease_id: int, worker: str, records: int, applied: dict[str, Any] | None = None) -> bool:
+        """Count the lease's window done (its gradients applied: `applied` says what the
+        pservers reported, kept with the window); False for a lease no longer current."""
+        lease = self.end_lease(lease_id, worker)
+        if lease is None:
+            return False
+        self.done.add(lease.task)
+        self.applied[lease.task] = dict(applied or {})
+        self.records += records
+        self._changed()
+        return True
+
+    def stop(self) -> None:
+        """Drain: cut no more windows; those cut are still handed out and finished."""
+        self.stopping = True
+
+    @property
+    def drained(self) -> bool:
+        return self.stopping and not self.todo and not self.pending
+
+    def window(self, lease: Lease) -> Window:
+        return self.windows[lease.task]
+
+    def _changed(self) -> None:
+        """Move the committed offset past every window at its front that is done or
+        discarded, and forget them."""
+        front = sorted(self.windows.values(), key=lambda w: w.start)
+        for window in front:
+            if window.id not in self.done and window.id not in self.discarded:
+                break
+            self.committed = window.stop
+            del self.windows[window.id]
+            self.done.discard(window.id)
+            self.applied.pop(window.id, None)
+            self.failures.pop(window.id, None)
+
+    # -- reporting and persistence -----------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "source": self.config.source,
+            "group": self.config.group,
+            "committed": self.committed,
+            "next_start": self.next_start,
+            "windows": len(self.windows),
+            "todo": len(self.todo),
+            "pending": len(self.pending),
+            "done_ahead": len(self.done),  # done, waiting for an earlier window
+            "discarded": {str(w): why for w, why in sorted(self.discarded.items())},
+            "records": self.records,
+            "stopping": self.stopping,
+        }
+
+    def to_snapshot(self) -> dict[str, Any]:
+        return {
+            "version": SNAPSHOT_VERSION,
+            "kind": "windows",
+            "config": asdict(self.config),
+            "timeout": self.timeout,
+            "max_failures": self.max_failures,
+            "windows": [[w.id, w.start, w.stop] for w in self.windows.values()],
+            "todo": list(self.todo),
+            "pending": self._lease_snapshot(),
+            "done": sorted(self.done),
+            "applied": {str(w): a for w, a in self.applied.items()},
+            "failures": {str(w): n for w, n in self.failures.items()},
+            "discarded": {str(w): why for w, why in self.discarded.items()},
+            "next_start": self.next_start,
+            "committed": self.committed,
+            "next_window": self.next_window,
+            "next_lease": self.next_lease,
+            "records": self.records,
+        }
+
+    @classmethod
+    def from_snapshot(cls, snapshot: dict[str, Any], now: float) -> WindowQueue:
+        """The queue a snapshot describes (records past next_start start waiting anew)."""
+        try:
+            if snapshot["version"] != SNAPSHOT_VERSION or snapshot["kind"] != "windows":
+                raise Error(f"not a version {SNAPSHOT_VERSION} window snapshot")
+            queue = cls(
+                WindowConfig(**snapshot["config"]),
+                int(snapshot["committed"]),
+                snapshot["timeout"],
+                snapshot["max_failures"],
+            )
+            queue.windows = {int(i): Window(int(i), int(a), int(b)) for i, a, b in snapshot["windows"]}
+            queue.todo.extend(int(w) for w in snapshot["todo"])
+            queue._restore_leases(snapshot["pending"], now)
+            queue.done = {int(w) for w in snapshot["done"]}
+            queue.applied = {int(w): dict(a) for w, a in snapshot["applied"].items()}
+            queue.failures = {int(w): int(n) for w, n in snapshot["failures"].items()}
+            queue.discarded = {int(w): str(why) for w, why in snapshot["discarded"].items()}
+            queue.next_start = int(snapshot["next_start"])
+            queue.next_window = int(snapshot["next_window"])
+            queue.next_lease = int(snapshot["next_lease"])
+            queue.records = int(snapshot["records"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise Error(f"not a valid window snapshot: {type(e).__name__}: {e}") from None
+        queue._check()
+        return queue
+
+    def _check(self) -> None:
+        """Every window is in exactly one place, and the windows tile committed..next_start."""
+        places = [*self.todo, *self.pending, *self.done, *(w for w in self.discarded if w in self.windows)]
+        if len(places) != len(set(places)) or set(places) != set(self.windows):
+            raise Error("not a valid window snapshot: its windows are not each in exactly one queue")
+        offset = self.committed
+        for window in sorted(self.windows.values(), key=lambda w: w.start):
+            if window.start != offset or window.stop <= window.start:
+                raise Error(
+                    f"not a valid window snapshot: window {window.id} does not follow offset {offset}"
+                )
+            offset = window.stop
+        if offset != self.next_start:
+            raise Error("not a valid window snapshot: its windows do not end where the next starts")

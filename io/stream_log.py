@@ -1,0 +1,565 @@
+"""The embedded append-only segment log: fluidps's default stream, no server needed.
+
+A log is a directory:
+
+    stream.json           the records' fields (name, dtype, shape of one record), the
+                          segment size, the retention
+    <base:020d>.seg       segments: a header, then fixed-size records from offset `base`
+    groups/<group>.json   each consumer group's committed offset
+    .append.lock          held (flock) by an appender while it appends, so that several
+                          processes can append and offsets stay dense
+
+A record is its offset (u64), its append time (f64, seconds since the epoch), its fields'
+bytes in the manifest's order, and a CRC32 of all of that (u32), little-endian. Records
+have one size, so record k of a segment sits at a computed position and nothing needs an
+index; a segment's file size says how many whole records it holds. A tail torn by an
+appender that died mid-write is cut off by the next append. A record whose CRC or offset
+does not check out is handed back aside (Records.bad, for a dead-letter file), never
+trained on and never a crash.
+
+Segments roll once they reach `segment_bytes`; retention (`retain_bytes`,
+`retain_seconds`) removes whole segments, oldest first, never the one being appended to.
+Reading needs no lock: a reader counts only whole records, and a segment retired under
+it is reported as retired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import struct
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from fluidps.errors import StreamError
+from fluidps.io.atomic import fsync_dir, write_atomic
+from fluidps.io.dataset import Field
+from fluidps.io.stream import BadRecord, Records, check_group
+
+MANIFEST = "stream.json"
+FORMAT = "fluidps-stream"
+SEGMENT = re.compile(r"(\d{20})\.seg")
+HEADER = struct.Struct("<8sII")  # magic, format version, record size
+MAGIC = b"FPSLOG\r\n"
+VERSION = 1
+DEFAULT_SEGMENT_BYTES = 64 << 20
+_PREFIX = 16  # the offset (u64) and the append time (f64)
+_CRC = 4
+
+
+class StreamLog:
+    """An append-only log of records in `path` (created on the first append if missing).
+
+    `fields` fixes the records' fields up front (a mapping of name to an example array of
+    one record, or Field objects); otherwise the first append sets them. `segment_bytes`,
+    `retain_bytes` and `retain_seconds` are kept in the log's manifest: given for an
+    existing log, they replace what it holds (`configure` can also lift a limit).
+    `sync`: fsync every append (a record appended is a record kept, even on power loss).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        fields: Mapping[str, object] | None = None,
+        segment_bytes: int | None = None,
+        retain_bytes: int | None = None,
+        retain_seconds: float | None = None,
+        sync: bool = True,
+    ):
+        self.path = Path(path)
+        self.name = f"log:{self.path}"
+        self.sync = sync
+        if self.path.exists() and not self.path.is_dir():
+            raise StreamError(f"stream log {self.path} is a file; a log is a directory")
+        self._manifest = self._read_manifest() if (self.path / MANIFEST).exists() else None
+        wanted = {
+            k: v
+            for k, v in (
+                ("segment_bytes", segment_bytes),
+                ("retain_bytes", retain_bytes),
+                ("retain_seconds", retain_seconds),
+            )
+            if v is not None
+        }
+        if fields is not None:
+            given = {name: _field_of(name, value) for name, value in fields.items()}
+            if self._manifest is None:
+                self._create(given, wanted)
+            elif given != self.fields:
+                raise StreamError(
+                    f"stream log {self.path} holds records of {_describe(self.fields)}, not "
+                    f"{_describe(given)}"
+                )
+        if self._manifest is None:
+            self._settings = {"segment_bytes": DEFAULT_SEGMENT_BYTES, "retain_bytes": None,
+                              "retain_seconds": None, **wanted}  # fmt: skip
+            _check_settings(self._settings, str(self.path))
+        elif any(self._manifest[k] != v for k, v in wanted.items()):
+            self.configure(**{**self.settings, **wanted})
+
+    # -- what the log holds ---------------------------------------------------------------
+
+    @property
+    def fields(self) -> dict[str, Field] | None:
+        """The records' fields, in their order on disk (None before the first append)."""
+        return None if self._manifest is None else self._manifest["fields"]
+
+    @property
+    def settings(self) -> dict:
+        """segment_bytes, retain_bytes and retain_seconds (None: no limit)."""
+        source = self._settings if self._manifest is None else self._manifest
+        return {k: source[k] for k in ("segment_bytes", "retain_bytes", "retain_seconds")}
+
+    def segments(self) -> list[tuple[int, Path]]:
+        """(base offset, file) of every segment, oldest first."""
+        if not self.path.is_dir():
+            return []
+        found = [
+            (int(m.group(1)), self.path / n) for n in os.listdir(self.path) if (m := SEGMENT.fullmatch(n))
+        ]
+        return sorted(found)
+
+    def start_offset(self) -> int:
+        """The first offset still held (earlier ones were retired by retention)."""
+        segments = self.segments()
+        return segments[0][0] if segments else 0
+
+    def end_offset(self) -> int:
+        """The next record's offset: the record count when nothing was retired."""
+        segments = self.segments()
+        if not segments:
+            return 0
+        base, file = segments[-1]
+        return base + self._whole_records(file)
+
+    def total_bytes(self) -> int:
+        return sum(_size(file) for _, file in self.segments())
+
+    # -- appending ------------------------------------------------------------------------
+
+    def append(self, batch: Mapping[str, object], timestamp: float | np.ndarray | None = None) -> np.ndarray:
+        """Append one record per row of `batch` (field name -> array, rows first); returns
+        their offsets. `timestamp`: the records' time (one for all, or one a row; default
+        now), which time windows and retention go by."""
+        arrays = self._checked_batch(batch)
+        rows = len(next(iter(arrays.values())))
+        try:
+            stamps = np.broadcast_to(
+                np.asarray(time.time() if timestamp is None else timestamp, np.float64), (rows,)
+            )
+        except (ValueError, TypeError):
+            raise StreamError(
+                f"append to {self.path}: timestamp must be one time for all {rows} records or one a "
+                f"record, got {np.shape(timestamp)}"
+            ) from None
+        if rows == 0:
+            return np.zeros(0, np.int64)
+        with self._append_lock():
+            self._manifest = self._read_manifest()  # (another appender may have changed it)
+            file, start = self._segment_to_append()
+            records = self._encode(arrays, stamps, start)
+            fd = os.open(file, os.O_WRONLY | os.O_APPEND)
+            try:
+                view = memoryview(records)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self.sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._retire()
+        return np.arange(start, start + rows, dtype=np.int64)
+
+    def configure(
+        self, segment_bytes: int, retain_bytes: int | None = None, retain_seconds: float | None = None
+    ) -> None:
+        """Replace the log's segment size and retention (None: no limit)."""
+        settings = {
+            "segment_bytes": segment_bytes,
+            "retain_bytes": retain_bytes,
+            "retain_seconds": retain_seconds,
+        }
+        _check_settings(settings, str(self.path))
+        if self._manifest is None:
+            self._settings = settings
+            return
+        with self._append_lock():
+            self._manifest = {**self._read_manifest(), **settings}
+            self._write_manifest()
+
+    # -- reading --------------------------------------------------------------------------
+
+    def read(self, start: int, count: int) -> Records:
+        """Up to `count` records from offset `start`; fewer at the end of the log."""
+        if not isinstance(start, (int, np.integer)) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise StreamError(f"read(start, count) takes offsets >= 0, got start={start!r}, count={count!r}")
+        if self._manifest is None and (self.path / MANIFEST).exists():
+            self._manifest = self._read_manifest()
+        segments = self.segments()
+        first = segments[0][0] if segments else 0
+        end = self.end_offset()
+        if start < first:
+            raise StreamError(
+                f"stream log {self.path}: offsets {start}..{first - 1} were retired by retention; "
+                f"it now starts at {first}"
+            )
+        if start > end:
+            raise StreamError(f"stream log {self.path}: offset {start} is past its end ({end})")
+        stop = min(start + int(count), end)
+        if stop == start or self._manifest is None:
+            return _empty(self.fields or {}, start)
+        chunks = [self._read_span(file, base, max(start, base), min(stop, nxt))
+                  for (base, file), nxt in zip(segments, [b for b, _ in segments[1:]] + [end], strict=True)
+                  if base < stop and nxt > start]  # fmt: skip
+        raw = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+        return self._decode(raw, start, stop)
+
+    def tail(self, start: int, poll_s: float = 0.2, batch: int = 1024) -> Iterator[Records]:
+        """Reads from `start` on, forever: each new run of records as it is appended."""
+        offset = start
+        while True:
+            records = self.read(offset, batch)
+            if records.next_offset == offset:
+                time.sleep(poll_s)
+                continue
+            offset = records.next_offset
+            yield records
+
+    # -- consumer groups ------------------------------------------------------------------
+
+    def commit(self, group: str, offset: int) -> None:
+        """Record that `group` is done with every record before `offset`."""
+        check_group(group)
+        end = self.end_offset()
+        if not isinstance(offset, (int, np.integer)) or not 0 <= offset <= end:
+            raise StreamError(f"stream log {self.path}: cannot commit offset {offset!r} (its end is {end})")
+        groups = self.path / "groups"
+        groups.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"group": group, "offset": int(offset), "time": time.time()})
+        write_atomic(str(groups / f"{group}.json"), [body.encode()])
+
+    def committed(self, group: str) -> int:
+        """The offset `group` committed last (the log's start if it never did)."""
+        file = self.path / "groups" / f"{check_group(group)}.json"
+        if not file.exists():
+            return self.start_offset()
+        try:
+            body = json.loads(file.read_text())
+            offset = body["offset"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise StreamError(f"cannot read consumer group {group!r}'s offset from {file}: {e}") from None
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise StreamError(f"{file}: offset must be an integer >= 0, got {offset!r}")
+        return offset
+
+    def groups(self) -> dict[str, int]:
+        """Every consumer group's committed offset."""
+        folder = self.path / "groups"
+        names = sorted(f.stem for f in folder.glob("*.json")) if folder.is_dir() else []
+        return {name: self.committed(name) for name in names if check_group(name)}
+
+    def close(self) -> None:
+        """Nothing is held open between calls; here for the StreamSource interface."""
+
+    def __enter__(self) -> StreamLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        fields = "no records yet" if self.fields is None else _describe(self.fields)
+        start, end = self.start_offset(), self.end_offset()
+        held = f"offsets {start}..{end - 1}" if end > start else "no records held"
+        return (
+            f"stream log {self.path}: {fields}; {held} (the next is {end}) "
+            f"in {len(self.segments())} segment(s), {self.total_bytes():,} bytes"
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _checked_batch(self, batch: Mapping[str, object]) -> dict[str, np.ndarray]:
+        if not isinstance(batch, Mapping) or not batch:
+            raise StreamError(f"append takes a mapping of field name to array, got {type(batch).__name__}")
+        arrays = {str(name): np.asarray(value) for name, value in batch.items()}
+        rows = {name: (len(a) if a.ndim else None) for name, a in arrays.items()}
+        if None in rows.values() or len(set(rows.values())) != 1:
+            raise StreamError(f"append to {self.path}: every field needs one row per record, got rows {rows}")
+        if self.fields is None:  # the first append sets the fields
+            for name, array in arrays.items():
+                if array.dtype.kind not in "biuf":
+                    raise StreamError(
+                        f"append to {self.path}: field {name!r} is {array.dtype}; fields hold numbers"
+                    )
+            fields = {name: Field(name, a.dtype.newbyteorder("="), a.shape[1:]) for name, a in arrays.items()}
+            with self._append_lock():
+                if (self.path / MANIFEST).exists():  # another process created it first
+                    self._manifest = self._read_manifest()
+                else:
+                    self._create(fields, self._settings)
+            if fields != self.fields:
+                raise StreamError(
+                    f"stream log {self.path} holds records of {_describe(self.fields)}, not {_describe(fields)}"
+                )
+        expected = self.fields
+        if set(arrays) != set(expected):
+            missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
+            raise StreamError(
+                f"append to {self.path}: its records have fields {_describe(expected)}; "
+                f"missing {missing}, unknown {extra}"
+            )
+        out = {}
+        for name, field in expected.items():
+            array = arrays[name]
+            if array.shape[1:] != field.shape:
+                raise StreamError(
+                    f"append to {self.path}: field {name!r} is {field.dtype}{list(field.shape)} a record, "
+                    f"got {array.dtype}{list(array.shape[1:])}"
+                )
+            if not np.can_cast(array.dtype, field.dtype, "safe"):
+                raise StreamError(
+                    f"append to {self.path}: field {name!r} holds {field.dtype}; {array.dtype} does not "
+                    "convert to it without loss (cast it first)"
+                )
+            out[name] = array
+        return out
+
+    def _record_dtype(self) -> np.dtype:
+        columns = [("offset", "<u8"), ("time", "<f8")]
+        columns += [
+            (f"f_{name}", field.dtype.newbyteorder("<"), field.shape) for name, field in self.fields.items()
+        ]
+        return np.dtype([*columns, ("crc", "<u4")])
+
+    def _encode(self, arrays: Mapping[str, np.ndarray], stamps: np.ndarray, start: int) -> np.ndarray:
+        rows = len(stamps)
+        records = np.zeros(rows, self._record_dtype())
+        records["offset"] = np.arange(start, start + rows, dtype=np.uint64)
+        records["time"] = stamps
+        for name, array in arrays.items():
+            records[f"f_{name}"] = array
+        raw = records.view(np.uint8).reshape(rows, -1)
+        records["crc"] = [zlib.crc32(row[:-_CRC]) for row in raw]
+        return records
+
+    def _decode(self, raw: np.ndarray, start: int, stop: int) -> Records:
+        size = raw.dtype.itemsize
+        rows = raw.view(np.uint8).reshape(len(raw), size)
+        crcs = np.fromiter((zlib.crc32(row[:-_CRC]) for row in rows), np.uint32, len(rows))
+        expected = np.arange(start, stop, dtype=np.uint64)
+        good = (crcs == raw["crc"]) & (raw["offset"] == expected)
+        bad = []
+        for i in np.flatnonzero(~good):
+            reason = "its CRC does not match" if crcs[i] != raw["crc"][i] else (
+                f"it says offset {int(raw['offset'][i])}")  # fmt: skip
+            bad.append(BadRecord(start + int(i), f"record {start + int(i)}: {reason}", rows[i].tobytes()))
+        kept = raw[good]
+        fields = {
+            name: np.ascontiguousarray(kept[f"f_{name}"], dtype=field.dtype).reshape(
+                (len(kept), *field.shape)
+            )
+            for name, field in self.fields.items()
+        }
+        return Records(
+            kept["offset"].astype(np.int64), kept["time"].astype(np.float64), fields, stop, tuple(bad)
+        )
+
+    def _read_span(self, file: Path, base: int, start: int, stop: int) -> np.ndarray:
+        dtype = self._record_dtype()
+        try:
+            with open(file, "rb") as f:
+                self._check_header(f.read(HEADER.size), file)
+                f.seek(HEADER.size + (start - base) * dtype.itemsize)
+                data = f.read((stop - start) * dtype.itemsize)
+        except FileNotFoundError:
+            raise StreamError(
+                f"stream log {self.path}: offsets from {start} were retired by retention while being read; "
+                f"it now starts at {self.start_offset()}"
+            ) from None
+        if len(data) != (stop - start) * dtype.itemsize:
+            raise StreamError(f"stream log {self.path}: segment {file.name} ended early at offset {start}")
+        return np.frombuffer(data, dtype).copy()
+
+    def _check_header(self, header: bytes, file: Path) -> None:
+        if len(header) < HEADER.size:
+            raise StreamError(f"stream log {self.path}: segment {file.name} has no header")
+        magic, version, size = HEADER.unpack(header)
+        if magic != MAGIC or version != VERSION:
+            raise StreamError(f"{file} is not a version {VERSION} fluidps stream segment")
+        if size != self._record_dtype().itemsize:
+            raise StreamError(
+                f"{file} holds records of {size} bytes; the manifest's fields "
+                f"({_describe(self.fields)}) make {self._record_dtype().itemsize}"
+            )
+
+    def _whole_records(self, file: Path) -> int:
+        if self._manifest is None:
+            if not (self.path / MANIFEST).exists():
+                return 0
+            self._manifest = self._read_manifest()
+        return max(_size(file) - HEADER.size, 0) // self._record_dtype().itemsize
+
+    def _segment_to_append(self) -> tuple[Path, int]:
+        """The segment the next records go to, and their first offset: the last segment,
+        its torn tail cut off, or a new one once it is full (under the append lock)."""
+        segments = self.segments()
+        size = self._record_dtype().itemsize
+        if segments:
+            base, file = segments[-1]
+            length = _size(file)
+            whole = max(length - HEADER.size, 0) // size
+            if length < HEADER.size:  # created, not yet headed, when its appender died
+                self._write_header(file)
+            elif length != HEADER.size + whole * size:  # a torn tail: its appender died mid-write
+                os.truncate(file, HEADER.size + whole * size)
+            if HEADER.size + whole * size < self._manifest["segment_bytes"]:
+                return file, base + whole
+            start = base + whole
+        else:
+            start = 0
+        file = self.path / f"{start:020d}.seg"
+        self._write_header(file)
+        fsync_dir(str(self.path))
+        return file, start
+
+    def _write_header(self, file: Path) -> None:
+        with open(file, "wb") as f:
+            f.write(HEADER.pack(MAGIC, VERSION, self._record_dtype().itemsize))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _retire(self) -> None:
+        """Remove whole segments past the retention, oldest first, never the last one."""
+        limit_bytes, limit_s = self._manifest["retain_bytes"], self._manifest["retain_seconds"]
+        if limit_bytes is None and limit_s is None:
+            return
+        segments = self.segments()
+        total = sum(_size(file) for _, file in segments)
+        removed = False
+        for _, file in segments[:-1]:
+            too_big = limit_bytes is not None and total > limit_bytes
+            too_old = limit_s is not None and self._last_time(file) < time.time() - limit_s
+            if not (too_big or too_old):
+                break
+            total -= _size(file)
+            file.unlink()
+            removed = True
+        if removed:
+            fsync_dir(str(self.path))
+
+    def _last_time(self, file: Path) -> float:
+        size = self._record_dtype().itemsize
+        whole = self._whole_records(file)
+        if whole == 0:
+            return float("-inf")
+        with open(file, "rb") as f:
+            f.seek(HEADER.size + (whole - 1) * size + 8)
+            return struct.unpack("<d", f.read(8))[0]
+
+    @contextlib.contextmanager
+    def _append_lock(self) -> Iterator[None]:
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / ".append.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # (closing releases the lock)
+
+    def _create(self, fields: dict[str, Field], settings: dict) -> None:
+        _check_settings({"segment_bytes": DEFAULT_SEGMENT_BYTES, "retain_bytes": None,
+                         "retain_seconds": None, **settings}, str(self.path))  # fmt: skip
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._manifest = {
+            "segment_bytes": DEFAULT_SEGMENT_BYTES,
+            "retain_bytes": None,
+            "retain_seconds": None,
+            **settings,
+            "fields": fields,
+        }
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "fields": [
+                {"name": f.name, "dtype": f.dtype.newbyteorder("<").str, "shape": list(f.shape)}
+                for f in self._manifest["fields"].values()
+            ],
+            **self.settings,
+        }
+        write_atomic(str(self.path / MANIFEST), [json.dumps(body, indent=1).encode()])
+
+    def _read_manifest(self) -> dict:
+        file = self.path / MANIFEST
+        try:
+            body = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise StreamError(f"cannot read the stream log manifest {file}: {e}") from None
+        if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") != VERSION:
+            raise StreamError(f"{file} is not a version {VERSION} {FORMAT} manifest")
+        fields: dict[str, Field] = {}
+        items = body.get("fields")
+        if not isinstance(items, list) or not items:
+            raise StreamError(f"{file}: 'fields' must be a non-empty list")
+        for item in items:
+            try:
+                name, dtype, shape = item["name"], np.dtype(item["dtype"]), tuple(item["shape"])
+            except (KeyError, TypeError) as e:
+                raise StreamError(f"{file}: a field needs a name, a dtype and a shape ({e})") from None
+            if (
+                not isinstance(name, str)
+                or dtype.kind not in "biuf"
+                or not all(isinstance(d, int) and d >= 0 for d in shape)
+            ):
+                raise StreamError(f"{file}: field {item!r} is not a name, a numeric dtype and a shape")
+            fields[name] = Field(name, dtype.newbyteorder("="), shape)
+        settings = {k: body.get(k) for k in ("segment_bytes", "retain_bytes", "retain_seconds")}
+        _check_settings(settings, str(file))
+        return {**settings, "fields": fields}
+
+
+def _field_of(name: str, value: object) -> Field:
+    if isinstance(value, Field):
+        return Field(name, value.dtype.newbyteorder("="), tuple(value.shape))
+    example = np.asarray(value)
+    if example.dtype.kind not in "biuf":
+        raise StreamError(f"field {name!r} is {example.dtype}; fields hold numbers")
+    return Field(name, example.dtype.newbyteorder("="), example.shape)
+
+
+def _check_settings(settings: dict, where: str) -> None:
+    segment = settings.get("segment_bytes")
+    if not isinstance(segment, int) or isinstance(segment, bool) or segment <= HEADER.size:
+        raise StreamError(f"{where}: segment_bytes must be an integer above {HEADER.size}, got {segment!r}")
+    for key in ("retain_bytes", "retain_seconds"):
+        value = settings.get(key)
+        if value is not None and (
+            not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+        ):
+            raise StreamError(f"{where}: {key} must be a number > 0 or None (no limit), got {value!r}")
+
+
+def _describe(fields: Mapping[str, Field] | None) -> str:
+    return "(none)" if not fields else ", ".join(f.describe() for f in fields.values())
+
+
+def _size(file: Path) -> int:
+    try:
+        return file.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _empty(fields: Mapping[str, Field], offset: int) -> Records:
+    arrays = {name: np.zeros((0, *f.shape), f.dtype) for name, f in fields.items()}
+    return Records(np.zeros(0, np.int64), np.zeros(0, np.float64), arrays, offset)

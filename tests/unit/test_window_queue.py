@@ -1,0 +1,115 @@
+"""WindowQueue: a stream's records cut into windows and leased as tasks (pure state)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fluidps.errors import Error
+from fluidps.executor.tasks.window_queue import Window, WindowConfig, WindowQueue
+
+
+def dense(end: int):
+    """advance() over offsets 0, 1, 2, ... up to `end` (a segment log's)."""
+    return lambda start, count: (min(start + count, end), min(start + count, end) - start)
+
+
+def queue(records: int = 10, seconds: float | None = None, **kw) -> WindowQueue:
+    return WindowQueue(WindowConfig("log:clicks", "trainers", records, seconds), 0, **kw)
+
+
+def test_windows_close_on_their_record_count():
+    q = queue(10)
+    assert q.offer(25, 0.0, dense(25)) == [Window(0, 0, 10), Window(1, 10, 20)]  # 20..25 waits
+    assert q.offer(25, 99.0, dense(25)) == []  # no time limit: it waits for ten records
+    assert q.offer(31, 99.5, dense(31)) == [Window(2, 20, 30)]
+    assert (q.next_start, q.committed) == (30, 0)
+
+
+def test_windows_also_close_when_their_first_record_has_waited_window_seconds():
+    q = queue(1000, seconds=1.0)
+    assert q.offer(5, 10.0, dense(5)) == []
+    assert q.offer(7, 10.5, dense(7)) == []
+    assert q.offer(9, 11.0, dense(9)) == [Window(0, 0, 9)]  # a second after the first was seen
+    assert q.offer(12, 11.2, dense(12)) == []  # a new window starts waiting now
+    assert q.offer(12, 12.1, dense(12)) == []
+    assert q.offer(12, 12.2, dense(12)) == [Window(1, 9, 12)]
+
+
+def test_sparse_offsets_are_counted_by_records_not_by_their_numbers():
+    offsets = list(range(0, 100, 5))  # (a Redis stream's ids are not dense)
+
+    def advance(start: int, count: int) -> tuple[int, int]:
+        after = [o for o in offsets if o >= start][:count]
+        return (after[-1] + 1, len(after)) if after else (start, 0)
+
+    q = queue(4)
+    windows = q.offer(offsets[-1] + 1, 0.0, advance)
+    assert [(w.start, w.stop) for w in windows] == [(0, 16), (16, 36), (36, 56), (56, 76), (76, 96)]
+
+
+def test_the_committed_offset_moves_past_windows_done_in_order_only():
+    q = queue(10)
+    q.offer(30, 0.0, dense(30))
+    a, b, c = (q.acquire(t, f"w{t}", 1.0) for t in range(3))
+    assert [q.window(le) for le in (a, b, c)] == [Window(0, 0, 10), Window(1, 10, 20), Window(2, 20, 30)]
+    assert q.acquire(3, "w3", 1.0) == "wait"
+    assert q.finish(b.id, "w1", 10, {"pserver.0": 7}) and q.committed == 0  # window 0 is not done
+    assert q.status()["done_ahead"] == 1
+    assert q.finish(a.id, "w0", 10) and q.committed == 20
+    assert q.finish(c.id, "w2", 10) and q.committed == 30 and q.records == 30 and not q.windows
+
+
+def test_failed_expired_and_restarted_windows_go_back_and_a_late_report_is_not_counted():
+    q = queue(10, timeout=5.0, max_failures=1)
+    q.offer(20, 0.0, dense(20))
+    first = q.acquire(0, "w0", 0.0)
+    assert q.fail(first.id, "w0", "its step raised") == "requeued"
+    again = q.acquire(1, "w1", 1.0)
+    assert q.window(again) == Window(0, 0, 10) and again.attempt == 1
+    second = q.acquire(0, "w0", 1.0)  # window 1
+    assert q.acquire(0, "w0b", 2.0).task == 1  # trainer 0 restarted: its window is requeued, taken again
+    assert not q.finish(second.id, "w0", 10)  # the old process's report: not counted
+    assert q.expire(6.5) == [(again, "discarded")]  # second failure of window 0: past max_failures
+    assert q.committed == 10 and q.status()["discarded"] == {"0": "timed out after 5 s"}  # (not trained on)
+    (lease,) = q.pending.values()
+    assert q.finish(lease.id, "w0b", 10) and q.committed == 20  # past the discarded window too
+    assert q.records == 10
+
+
+def test_stop_drains_the_windows_already_cut():
+    q = queue(10)
+    q.offer(20, 0.0, dense(20))
+    lease = q.acquire(0, "w0", 0.0)
+    q.stop()
+    assert q.offer(50, 1.0, dense(50)) == []  # no more windows once draining
+    other = q.acquire(1, "w1", 1.0)
+    assert q.acquire(2, "w2", 1.0) == "wait" and not q.drained
+    q.finish(lease.id, "w0", 10)
+    q.finish(other.id, "w1", 10)
+    assert q.acquire(2, "w2", 2.0) == "stopped" and q.drained and q.committed == 20
+
+
+def test_a_snapshot_restores_the_queue_and_a_broken_one_is_refused():
+    q = queue(10)
+    q.offer(40, 0.0, dense(40))
+    done = q.acquire(0, "w0", 0.0)
+    ahead = q.acquire(1, "w1", 0.0)
+    pending = q.acquire(2, "w2", 0.0)
+    q.finish(ahead.id, "w1", 10, {"pserver.0": 3})
+    assert q.finish(done.id, "w0", 10) and q.committed == 20
+    snapshot = json.loads(json.dumps(q.to_snapshot()))  # (as the coordinator writes it)
+    back = WindowQueue.from_snapshot(snapshot, now=100.0)
+    assert back.status() == q.status() and back.windows == q.windows and list(back.todo) == list(q.todo)
+    assert back.pending[2].id == pending.id and back.pending[2].deadline == 160.0
+    assert back.finish(pending.id, "w2", 10) and back.committed == 30
+    assert back.offer(40, 100.0, dense(40)) == [] and back.acquire(0, "w0", 100.0).task == 3
+
+    broken = dict(snapshot, windows=[[2, 25, 30], [3, 30, 40]])  # a gap after the committed offset
+    with pytest.raises(Error, match="window 2 does not follow offset 20"):
+        WindowQueue.from_snapshot(broken, 0.0)
+    with pytest.raises(Error, match="not a valid window snapshot"):
+        WindowQueue.from_snapshot({"version": 1, "kind": "windows"}, 0.0)
+    with pytest.raises(Error, match="window_records must be >= 1"):
+        WindowConfig("log:x", "g", 0)
