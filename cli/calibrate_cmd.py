@@ -101,7 +101,8 @@ def _second_stage_busy(first: tuple[int, ...], steps: int) -> float:
 # are taken together, from the round whose sum is the median, so that the model charges
 # what a job measured; the others are each their own median.
 STAGE_CONSTANTS = ("send_cpu_s", "stage_overhead_s", "stage_byte_s")
-ROUND_CONSTANTS = ("alpha_s", "beta_s", "wait_factor", *STAGE_CONSTANTS)
+LINK_CONSTANTS = ("alpha_s", "beta_s")  # (one line's intercept and slope: taken together too)
+ROUND_CONSTANTS = ("wait_factor", *LINK_CONSTANTS, *STAGE_CONSTANTS)
 
 
 def measure_round(model: MachineModel, calls: int = 40, steps: int = 20, link: dict | None = None) -> dict:
@@ -127,13 +128,20 @@ def measure_round(model: MachineModel, calls: int = 40, steps: int = 20, link: d
 def with_medians(model: MachineModel, rounds: Sequence[dict]) -> MachineModel:
     """`model` with ROUND_CONSTANTS from `rounds` (measure_round's): STAGE_CONSTANTS from the
     round whose stage cost a micro-batch (its own plus a send each way) is the median (the
-    lower one of an even count), each other constant its own median."""
+    lower one of an even count), LINK_CONSTANTS from the round whose alpha is, and the wait
+    factor its own median."""
     if not rounds:
         raise Error("with_medians needs at least one round of measure_round")
     per_micro_batch = [r["stage_overhead_s"] + 2 * r["send_cpu_s"] for r in rounds]
-    middle = rounds[per_micro_batch.index(statistics.median_low(per_micro_batch))]
-    others = {name: statistics.median(r[name] for r in rounds) for name in ROUND_CONSTANTS}
-    return dataclasses.replace(model, **{**others, **{name: middle[name] for name in STAGE_CONSTANTS}})
+    stage = rounds[per_micro_batch.index(statistics.median_low(per_micro_batch))]
+    alphas = [r["alpha_s"] for r in rounds]
+    link = rounds[alphas.index(statistics.median_low(alphas))]
+    return dataclasses.replace(
+        model,
+        wait_factor=statistics.median(r["wait_factor"] for r in rounds),
+        **{name: link[name] for name in LINK_CONSTANTS},
+        **{name: stage[name] for name in STAGE_CONSTANTS},
+    )
 
 
 def calibrate_machine(calls: int = 40, rounds: int = 3, steps: int = 20) -> tuple[MachineModel, list[dict]]:

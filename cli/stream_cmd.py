@@ -25,7 +25,11 @@ def stream() -> None:
 @click.argument("source", metavar="INPUT")
 @click.option("--field", help="The field name of a plain (unstructured) .npy INPUT.")
 @click.option("--batch", type=click.IntRange(min=1), default=4096, show_default=True, help="Records a write.")
-@click.option("--segment-bytes", type=click.IntRange(min=1), help="Roll segments at this size (a new log).")
+@click.option(
+    "--segment-bytes",
+    type=click.IntRange(min=17),
+    help="Roll segments at this size (kept in the log's manifest).",
+)
 @click.option("--retain-bytes", type=click.IntRange(min=1), help="Retire old segments past this many bytes.")
 @click.option("--retain-seconds", type=click.FloatRange(min=0, min_open=True), help="...or past this age.")
 def append(
@@ -97,10 +101,12 @@ def info(log: str) -> None:
             + (", ".join(r for r in retain if r) or "none (every record is kept)")
         )
         for base, file in source.segments():
-            modified = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(file.stat().st_mtime))
-            click.echo(
-                f"  {file.name}  from offset {base:>12,}  {file.stat().st_size:>14,} bytes  {modified}"
-            )
+            try:
+                stat = file.stat()
+            except FileNotFoundError:  # (retired since the listing)
+                continue
+            modified = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stat.st_mtime))
+            click.echo(f"  {file.name}  from offset {base:>12,}  {stat.st_size:>14,} bytes  {modified}")
         end = source.end_offset()
         for group, committed in source.groups().items():
             click.echo(f"group {group}: committed {committed:,}, lag {end - committed:,}")

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fluidps.errors import StreamError
+from fluidps.errors import SerializationError, StreamError
 from fluidps.io.atomic import fsync_dir, write_atomic
 from fluidps.io.dataset import Field
-from fluidps.io.stream import BadRecord, Records, check_group
+from fluidps.io.stream import GROUP_NAME, BadRecord, Records, check_group
 
 MANIFEST = "stream.json"
 FORMAT = "fluidps-stream"
@@ -92,8 +92,12 @@ class StreamLog:
         if fields is not None:
             given = {name: _field_of(name, value) for name, value in fields.items()}
             if self._manifest is None:
-                self._create(given, wanted)
-            elif given != self.fields:
+                with self._append_lock():  # (another process may be creating it too)
+                    if (self.path / MANIFEST).exists():
+                        self._manifest = self._read_manifest()
+                    else:
+                        self._create(given, wanted)
+            if given != self.fields:
                 raise StreamError(
                     f"stream log {self.path} holds records of {_describe(self.fields)}, not "
                     f"{_describe(given)}"
@@ -160,21 +164,26 @@ class StreamLog:
                 f"append to {self.path}: timestamp must be one time for all {rows} records or one a "
                 f"record, got {np.shape(timestamp)}"
             ) from None
+        if not np.all(np.isfinite(stamps)):
+            raise StreamError(f"append to {self.path}: timestamps must be finite seconds since the epoch")
         if rows == 0:
             return np.zeros(0, np.int64)
         with self._append_lock():
             self._manifest = self._read_manifest()  # (another appender may have changed it)
             file, start = self._segment_to_append()
             records = self._encode(arrays, stamps, start)
-            fd = os.open(file, os.O_WRONLY | os.O_APPEND)
             try:
-                view = memoryview(records)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if self.sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+                fd = os.open(file, os.O_WRONLY | os.O_APPEND)
+                try:
+                    view = memoryview(records)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    if self.sync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:  # (a part written is a torn tail: the next append cuts it off)
+                raise StreamError(f"append to {self.path}: cannot write {file.name}: {e}") from None
             self._retire()
         return np.arange(start, start + rows, dtype=np.int64)
 
@@ -199,13 +208,13 @@ class StreamLog:
 
     def read(self, start: int, count: int) -> Records:
         """Up to `count` records from offset `start`; fewer at the end of the log."""
-        if not isinstance(start, (int, np.integer)) or not isinstance(count, (int, np.integer)) or count < 0:
-            raise StreamError(f"read(start, count) takes offsets >= 0, got start={start!r}, count={count!r}")
+        if not _is_offset(start) or not _is_offset(count):
+            raise StreamError(f"read(start, count) takes integers >= 0, got start={start!r}, count={count!r}")
         if self._manifest is None and (self.path / MANIFEST).exists():
             self._manifest = self._read_manifest()
-        segments = self.segments()
+        segments = self.segments()  # (one listing for the whole read: an appender may roll meanwhile)
         first = segments[0][0] if segments else 0
-        end = self.end_offset()
+        end = segments[-1][0] + self._whole_records(segments[-1][1]) if segments else 0
         if start < first:
             raise StreamError(
                 f"stream log {self.path}: offsets {start}..{first - 1} were retired by retention; "
@@ -216,11 +225,10 @@ class StreamLog:
         stop = min(start + int(count), end)
         if stop == start or self._manifest is None:
             return _empty(self.fields or {}, start)
+        ends = [b for b, _ in segments[1:]] + [end]
         chunks = [self._read_span(file, base, max(start, base), min(stop, nxt))
-                  for (base, file), nxt in zip(segments, [b for b, _ in segments[1:]] + [end], strict=True)
-                  if base < stop and nxt > start]  # fmt: skip
-        raw = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
-        return self._decode(raw, start, stop)
+                  for (base, file), nxt in zip(segments, ends, strict=True) if base < stop and nxt > start]  # fmt: skip
+        return self._decode(chunks, stop)
 
     def tail(self, start: int, poll_s: float = 0.2, batch: int = 1024) -> Iterator[Records]:
         """Reads from `start` on, forever: each new run of records as it is appended."""
@@ -239,12 +247,17 @@ class StreamLog:
         """Record that `group` is done with every record before `offset`."""
         check_group(group)
         end = self.end_offset()
-        if not isinstance(offset, (int, np.integer)) or not 0 <= offset <= end:
+        if not _is_offset(offset) or offset > end:
             raise StreamError(f"stream log {self.path}: cannot commit offset {offset!r} (its end is {end})")
         groups = self.path / "groups"
-        groups.mkdir(parents=True, exist_ok=True)
         body = json.dumps({"group": group, "offset": int(offset), "time": time.time()})
-        write_atomic(str(groups / f"{group}.json"), [body.encode()])
+        try:
+            groups.mkdir(parents=True, exist_ok=True)
+            write_atomic(str(groups / f"{group}.json"), [body.encode()])
+        except (OSError, SerializationError) as e:
+            raise StreamError(
+                f"stream log {self.path}: cannot commit group {group!r}'s offset: {e}"
+            ) from None
 
     def committed(self, group: str) -> int:
         """The offset `group` committed last (the log's start if it never did)."""
@@ -264,7 +277,9 @@ class StreamLog:
         """Every consumer group's committed offset."""
         folder = self.path / "groups"
         names = sorted(f.stem for f in folder.glob("*.json")) if folder.is_dir() else []
-        return {name: self.committed(name) for name in names if check_group(name)}
+        return {
+            name: self.committed(name) for name in names if GROUP_NAME.fullmatch(name)
+        }  # (not stray files)
 
     def close(self) -> None:
         """Nothing is held open between calls; here for the StreamSource interface."""
@@ -350,17 +365,27 @@ class StreamLog:
         records["crc"] = [zlib.crc32(row[:-_CRC]) for row in raw]
         return records
 
-    def _decode(self, raw: np.ndarray, start: int, stop: int) -> Records:
-        size = raw.dtype.itemsize
-        rows = raw.view(np.uint8).reshape(len(raw), size)
+    def _decode(self, chunks: list[tuple[np.ndarray, int, int]], stop: int) -> Records:
+        """Records from (records read, the offset they start at, the offset they should
+        reach) of each segment read: those that check out, the others and any a segment
+        lacks (cut short by a crash before its fsync) as bad records."""
+        raw = np.concatenate([c for c, _, _ in chunks]) if len(chunks) > 1 else chunks[0][0]
+        expected = np.concatenate([np.arange(a, a + len(c), dtype=np.uint64) for c, a, _ in chunks])
+        rows = raw.view(np.uint8).reshape(len(raw), raw.dtype.itemsize)
         crcs = np.fromiter((zlib.crc32(row[:-_CRC]) for row in rows), np.uint32, len(rows))
-        expected = np.arange(start, stop, dtype=np.uint64)
         good = (crcs == raw["crc"]) & (raw["offset"] == expected)
         bad = []
         for i in np.flatnonzero(~good):
-            reason = "its CRC does not match" if crcs[i] != raw["crc"][i] else (
-                f"it says offset {int(raw['offset'][i])}")  # fmt: skip
-            bad.append(BadRecord(start + int(i), f"record {start + int(i)}: {reason}", rows[i].tobytes()))
+            offset = int(expected[i])
+            reason = (
+                "its CRC does not match"
+                if crcs[i] != raw["crc"][i]
+                else f"it says offset {int(raw['offset'][i])}"
+            )
+            bad.append(BadRecord(offset, reason, rows[i].tobytes()))
+        for records, first, last in chunks:
+            for offset in range(first + len(records), last):
+                bad.append(BadRecord(offset, "its segment ends before it (cut short by a crash)"))
         kept = raw[good]
         fields = {
             name: np.ascontiguousarray(kept[f"f_{name}"], dtype=field.dtype).reshape(
@@ -369,10 +394,12 @@ class StreamLog:
             for name, field in self.fields.items()
         }
         return Records(
-            kept["offset"].astype(np.int64), kept["time"].astype(np.float64), fields, stop, tuple(bad)
-        )
+            kept["offset"].astype(np.int64), kept["time"].astype(np.float64), fields, stop,
+            tuple(sorted(bad, key=lambda b: b.offset)),
+        )  # fmt: skip
 
-    def _read_span(self, file: Path, base: int, start: int, stop: int) -> np.ndarray:
+    def _read_span(self, file: Path, base: int, start: int, stop: int) -> tuple[np.ndarray, int, int]:
+        """The whole records of `file` in [start, stop), and start and stop."""
         dtype = self._record_dtype()
         try:
             with open(file, "rb") as f:
@@ -384,9 +411,10 @@ class StreamLog:
                 f"stream log {self.path}: offsets from {start} were retired by retention while being read; "
                 f"it now starts at {self.start_offset()}"
             ) from None
-        if len(data) != (stop - start) * dtype.itemsize:
-            raise StreamError(f"stream log {self.path}: segment {file.name} ended early at offset {start}")
-        return np.frombuffer(data, dtype).copy()
+        except OSError as e:
+            raise StreamError(f"stream log {self.path}: cannot read segment {file.name}: {e}") from None
+        whole = len(data) // dtype.itemsize
+        return np.frombuffer(data[: whole * dtype.itemsize], dtype).copy(), start, stop
 
     def _check_header(self, header: bytes, file: Path) -> None:
         if len(header) < HEADER.size:
@@ -466,8 +494,11 @@ class StreamLog:
 
     @contextlib.contextmanager
     def _append_lock(self) -> Iterator[None]:
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / ".append.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / ".append.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise StreamError(f"stream log {self.path}: cannot take its append lock: {e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -547,6 +578,10 @@ def _check_settings(settings: dict, where: str) -> None:
             not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
         ):
             raise StreamError(f"{where}: {key} must be a number > 0 or None (no limit), got {value!r}")
+
+
+def _is_offset(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
 
 
 def _describe(fields: Mapping[str, Field] | None) -> str:

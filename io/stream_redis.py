@@ -40,15 +40,23 @@ FIELDS_KEY = "{stream}:fluidps-fields"
 T = TypeVar("T")
 
 
+MS_BITS = 63 - SEQ_BITS  # (an offset is an int64)
+
+
 def id_to_offset(entry_id: bytes | str) -> int:
+    """The offset of a stream entry id `ms-seq`: ms << 20 | seq."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
-    if int(seq) >= 1 << SEQ_BITS:
-        raise StreamError(f"entry id {text}: more than {1 << SEQ_BITS} entries in one millisecond")
+    if int(seq) >= 1 << SEQ_BITS or int(ms) >= 1 << MS_BITS:
+        raise StreamError(
+            f"entry id {text} has no fluidps offset (ids must be below {1 << MS_BITS}-{(1 << SEQ_BITS) - 1}): "
+            "append with automatic ids ('*')"
+        )
     return int(ms) << SEQ_BITS | int(seq)
 
 
 def offset_to_id(offset: int) -> str:
+    """The stream entry id of an offset (id_to_offset's inverse)."""
     return f"{offset >> SEQ_BITS}-{offset & ((1 << SEQ_BITS) - 1)}"
 
 
@@ -134,9 +142,7 @@ class RedisStream:
                 raw = json.dumps(
                     {k.decode(errors="replace"): v.decode(errors="replace") for k, v in values.items()}
                 )
-                bad.append(
-                    BadRecord(offset, f"record {offset} ({entry_id.decode()}): {parsed}", raw.encode())
-                )
+                bad.append(BadRecord(offset, f"entry {entry_id.decode()}: {parsed}", raw.encode()))
                 continue
             offsets.append(offset)
             stamps.append((offset >> SEQ_BITS) / 1000.0)
@@ -152,7 +158,9 @@ class RedisStream:
         )
 
     def append(self, batch: Mapping[str, object]) -> np.ndarray:
-        """Append one entry per row of `batch`; returns their offsets."""
+        """Append one entry per row of `batch` (in one transaction); returns their offsets.
+        At least once: a batch whose reply a dropped connection lost is sent again, and
+        may then be in the stream twice."""
         arrays = {str(name): np.asarray(value) for name, value in batch.items()}
         rows = {name: (len(a) if a.ndim else None) for name, a in arrays.items()}
         if not arrays or None in rows.values() or len(set(rows.values())) != 1:
@@ -170,7 +178,7 @@ class RedisStream:
         for name, f in fields.items():
             if arrays[name].shape[1:] != f.shape or not np.can_cast(arrays[name].dtype, f.dtype, "safe"):
                 raise StreamError(
-                    f"append to {self.name}: field {name!r} is {f.describe()} a record, "
+                    f"append to {self.name}: field {name!r} is {f.dtype}{list(f.shape)} a record, "
                     f"got {arrays[name].dtype}{list(arrays[name].shape[1:])}"
                 )
         count = next(iter(rows.values()))
@@ -189,8 +197,9 @@ class RedisStream:
     def commit(self, group: str, offset: int) -> None:
         """Move `group`'s last-delivered id to the entry before `offset`."""
         check_group(group)
-        if not isinstance(offset, (int, np.integer)) or offset < 0:
-            raise StreamError(f"{self.name}: cannot commit offset {offset!r}")
+        end = self.end_offset()
+        if not isinstance(offset, (int, np.integer)) or isinstance(offset, bool) or not 0 <= offset <= end:
+            raise StreamError(f"{self.name}: cannot commit offset {offset!r} (its end is {end})")
         last = offset_to_id(int(offset) - 1) if offset > 0 else "0-0"
         self._ensure_group(group)
         self._call(lambda r: r.xgroup_setid(self.stream, group, last))
@@ -227,13 +236,11 @@ class RedisStream:
         return bool(self._call(lambda r: r.exists(self.stream)))
 
     def _ensure_group(self, group: str) -> None:
-        import redis
-
         try:
             self._call(lambda r: r.xgroup_create(self.stream, group, id="0", mkstream=True))
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise StreamError(f"{self.name}: cannot create consumer group {group!r}: {e}") from None
+        except StreamError as e:
+            if "BUSYGROUP" not in str(e):  # (the group exists already: what commit wants)
+                raise
 
     def _stored_fields(self) -> dict[str, Field] | None:
         text = self._call(lambda r: r.get(self._fields_key))
@@ -258,6 +265,8 @@ class RedisStream:
         while True:
             try:
                 return action(self._redis)
+            except redis.AuthenticationError as e:
+                raise StreamError(f"{self.name}: Redis at {self.host}:{self.port} refused: {e}") from None
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if time.monotonic() + delay > deadline:
                     raise StreamError(
@@ -274,6 +283,8 @@ class RedisStream:
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+            except redis.RedisError as e:  # (not a connection's: asking again would not help)
+                raise StreamError(f"{self.name}: Redis at {self.host}:{self.port} refused: {e}") from None
 
 
 def _parse(values: Mapping[bytes, bytes], fields: Mapping[str, Field]) -> dict[str, np.ndarray] | str:

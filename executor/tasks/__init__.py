@@ -7,6 +7,6 @@ a trainer's connection to it (coordinator_client.py), and the readers that turn
 tasks into mini-batches (task_reader.py; with no coordinator they read from a
 queue in their own process, and load no ZeroMQ).
 
-May import: fluidps.errors, fluidps.ops.reader, fluidps.io.dataset, fluidps.io.atomic,
+May import: fluidps.errors, fluidps.ops.reader, fluidps.io.dataset, fluidps.io.atomic, fluidps.io.stream,
 fluidps.executor.transport
 """

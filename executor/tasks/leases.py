@@ -23,7 +23,7 @@ from fluidps.errors import Error
 @dataclass
 class Lease:
     id: int
-    task: int  # the item's id
+    task: int  # the item's id (a dataset's task, a stream's window)
     trainer: int
     worker: str  # the trainer process's incarnation
     attempt: int  # failures the item had when this lease was given
@@ -32,13 +32,15 @@ class Lease:
 
 
 class LeaseBook:
+    """Items (by id) in todo, pending under a lease, failed so many times, or discarded."""
+
     # Where a failed item goes back: last (a dataset's pass: the others first) or first
     # (a stream's window: the committed offset waits for it).
     retry_first = False
 
     def __init__(self, timeout: float = 60.0, max_failures: int = 3):
         if timeout <= 0 or max_failures < 0:
-            raise Error(f"task timeout must be > 0 and max_failures >= 0, got {timeout}, {max_failures}")
+            raise Error(f"a lease's timeout must be > 0 and max_failures >= 0, got {timeout}, {max_failures}")
         self.timeout = timeout
         self.max_failures = max_failures
         self.failures: dict[int, int] = {}
@@ -50,7 +52,9 @@ class LeaseBook:
     def replaced(self, trainer: int, worker: str) -> list[tuple[Lease, str]]:
         """Fail the leases an earlier process of this trainer id held (it restarted):
         [(lease, "requeued" or "discarded")]."""
-        old = [le for le in self.pending.values() if le.trainer == trainer and le.worker != worker]
+        old = self._in_retry_order(
+            [le for le in self.pending.values() if le.trainer == trainer and le.worker != worker]
+        )
         return [(le, self._failed(le, f"trainer {trainer} restarted while it held the task")) for le in old]
 
     def held_by(self, worker: str) -> Lease | None:
@@ -96,7 +100,7 @@ class LeaseBook:
 
     def expire(self, now: float) -> list[tuple[Lease, str]]:
         """Fail every lease past its deadline: [(lease, "requeued" or "discarded")]."""
-        late = [lease for lease in self.pending.values() if lease.deadline <= now]
+        late = self._in_retry_order([lease for lease in self.pending.values() if lease.deadline <= now])
         return [(lease, self._failed(lease, f"timed out after {self.allowed(lease):g} s")) for lease in late]
 
     def allowed(self, lease: Lease) -> float:
@@ -111,6 +115,11 @@ class LeaseBook:
         lease.allowed = allowed or self.timeout
         lease.deadline = now + lease.allowed
         return True
+
+    def _in_retry_order(self, leases: list[Lease]) -> list[Lease]:
+        """Leases to fail together, ordered so that their items go back in id order (the
+        last failed goes first when failed items go to the front)."""
+        return sorted(leases, key=lambda lease: lease.task, reverse=self.retry_first)
 
     def _current(self, lease_id: int, worker: str) -> Lease | None:
         for lease in self.pending.values():

@@ -25,6 +25,7 @@ from typing import Any
 
 from fluidps.errors import Error
 from fluidps.executor.tasks.leases import Lease, LeaseBook
+from fluidps.io.stream import check_group
 
 SNAPSHOT_VERSION = 1
 
@@ -39,8 +40,10 @@ class WindowConfig:
     window_seconds: float | None = None  # None: windows close on their record count only
 
     def __post_init__(self) -> None:
-        if self.window_records < 1:
-            raise Error(f"window_records must be >= 1, got {self.window_records}")
+        check_group(self.group)
+        records = self.window_records
+        if not isinstance(records, int) or isinstance(records, bool) or records < 1:
+            raise Error(f"window_records must be an integer >= 1, got {records!r}")
         if self.window_seconds is not None and not (
             self.window_seconds > 0 and math.isfinite(self.window_seconds)
         ):
@@ -186,6 +189,7 @@ class WindowQueue(LeaseBook):
             "next_window": self.next_window,
             "next_lease": self.next_lease,
             "records": self.records,
+            "stopping": self.stopping,
         }
 
     @classmethod
@@ -211,7 +215,8 @@ class WindowQueue(LeaseBook):
             queue.next_window = int(snapshot["next_window"])
             queue.next_lease = int(snapshot["next_lease"])
             queue.records = int(snapshot["records"])
-        except (KeyError, TypeError, ValueError) as e:
+            queue.stopping = bool(snapshot["stopping"])
+        except (KeyError, TypeError, ValueError, Error) as e:
             raise Error(f"not a valid window snapshot: {type(e).__name__}: {e}") from None
         queue._check()
         return queue
@@ -220,7 +225,19 @@ class WindowQueue(LeaseBook):
         """Every window is in exactly one place, and the windows tile committed..next_start."""
         places = [*self.todo, *self.pending, *self.done, *(w for w in self.discarded if w in self.windows)]
         if len(places) != len(set(places)) or set(places) != set(self.windows):
-            raise Error("not a valid window snapshot: its windows are not each in exactly one queue")
+            astray = sorted(set(places) ^ set(self.windows)) or sorted(
+                {w for w in places if places.count(w) > 1}
+            )
+            raise Error(
+                f"not a valid window snapshot: windows {astray} are not each in exactly one of todo, pending, "
+                "done and discarded; start the coordinator without it (the stream's committed offset is kept)"
+            )
+        if self.windows and self.next_window <= max(self.windows):
+            raise Error(
+                f"not a valid window snapshot: next_window {self.next_window} is not past its windows"
+            )
+        if self.pending and self.next_lease <= max(le.id for le in self.pending.values()):
+            raise Error(f"not a valid window snapshot: next_lease {self.next_lease} is not past its leases")
         offset = self.committed
         for window in sorted(self.windows.values(), key=lambda w: w.start):
             if window.start != offset or window.stop <= window.start:

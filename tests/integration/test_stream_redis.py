@@ -83,7 +83,6 @@ def clicks(rows: int, start: int = 0) -> dict[str, np.ndarray]:
 def test_appended_records_read_back_by_offset(server):
     stream = open_stream(server.url("clicks"))
     assert isinstance(stream, RedisStream) and stream.end_offset() == 0
-    before = time.time()
     offsets = np.concatenate([stream.append(clicks(5, start)) for start in (0, 5, 10)])
     assert len(offsets) == 15 and np.all(np.diff(offsets) > 0)  # increasing, as the entry ids
     assert stream.start_offset() == offsets[0] and stream.end_offset() == offsets[-1] + 1
@@ -96,7 +95,7 @@ def test_appended_records_read_back_by_offset(server):
     for name in want:
         np.testing.assert_array_equal(got.fields[name], want[name])
         assert got.fields[name].dtype == want[name].dtype
-    assert np.all(got.timestamps >= before - 1) and np.all(got.timestamps <= time.time() + 1)
+    assert got.timestamps.tolist() == [(o >> 20) / 1000 for o in got.offsets.tolist()]  # the ids' times
     rest = stream.read(int(got.next_offset), 100)
     assert rest.offsets.tolist() == offsets[11:].tolist()
     end = stream.read(stream.end_offset(), 10)
@@ -117,13 +116,16 @@ def test_entries_from_other_producers_are_read_and_bad_ones_set_aside(server):
     assert got.fields["ids"].tolist() == [[3, 14], [1, 2]] and got.fields["clicked"].tolist() == [1, 0]
     reasons = {b.offset: b.reason for b in got.bad}
     assert list(reasons) == [id_to_offset(i) for i in (wrong_names, not_numbers, too_few, fraction)]
-    assert "fields ['clicked', 'id'], not ['clicked', 'ids']" in reasons[id_to_offset(wrong_names)]
+    assert (
+        reasons[id_to_offset(wrong_names)]
+        == f"entry {wrong_names.decode()}: fields ['clicked', 'id'], not ['clicked', 'ids']"
+    )
     assert "field 'ids': '3 x' is not int64 numbers" in reasons[id_to_offset(not_numbers)]
     assert "field 'ids': '3' is not 2 int64 number(s)" in reasons[id_to_offset(too_few)]
     assert "field 'clicked': '0.5' is not int64 numbers" in reasons[id_to_offset(fraction)]
     with pytest.raises(StreamError, match="holds records of ids int64"):
         RedisStream(server.url("clicks"), fields={"x": np.float32(0)})
-    with pytest.raises(StreamError, match=r"field 'ids' is ids int64\[2\] a record, got float64\[2\]"):
+    with pytest.raises(StreamError, match=r"field 'ids' is int64\[2\] a record, got float64\[2\]"):
         stream.append({"ids": np.zeros((1, 2)), "clicked": np.zeros(1, np.int64)})
 
 
@@ -137,6 +139,13 @@ def test_a_consumer_groups_offset_is_its_last_delivered_id_in_redis(server):
     assert info["last-delivered-id"] == redis.Redis(port=server.port).xrange("clicks", count=4)[-1][0]
     with pytest.raises(StreamError, match="consumer group"):
         stream.commit("bad name", 1)
+    with pytest.raises(
+        StreamError, match=rf"cannot commit offset {offsets[-1] + 2} \(its end is {offsets[-1] + 1}\)"
+    ):
+        stream.commit("trainers", int(offsets[-1] + 2))
+    redis.Redis(port=server.port).set("plain", "a string, not a stream")
+    with pytest.raises(StreamError, match=r"plain: Redis at 127\.0\.0\.1:\d+ refused: WRONGTYPE"):
+        open_stream(server.url("plain")).end_offset()
 
 
 def test_redis_going_away_is_waited_for_and_nothing_is_lost(server, caplog):

@@ -369,7 +369,11 @@ def test_the_constants_of_several_rounds_are_their_medians_and_the_rates_are_kep
          "stage_byte_s": 1.4e-9, "wait_factor": 1.7, "round_trips": []},
     ]  # fmt: skip
     model = with_medians(measured, rounds)
-    assert (model.alpha_s, model.beta_s, model.wait_factor) == (3e-4, 5.5e-10, 1.35)
+    assert (model.alpha_s, model.beta_s, model.wait_factor) == (
+        3e-4,
+        5e-10,
+        1.35,
+    )  # (alpha and beta: one round's)
     # a stage's own cost and a send, from the round whose sum (a micro-batch's: 440, 710 and
     # 540 us) is the median: the last; not 300 us and 100 us from two rounds
     assert (model.send_cpu_s, model.stage_overhead_s, model.stage_byte_s) == (1e-4, 3.4e-4, 1.4e-9)

@@ -78,9 +78,13 @@ def test_records_that_do_not_match_the_fields_are_refused_by_name(tmp_path):
         StreamLog(tmp_path / "log", fields={"x": np.zeros(3, np.float32)})
     with pytest.raises(StreamError, match="fields hold numbers"):
         StreamLog(tmp_path / "other").append({"name": np.array(["a"])})
-    for start, count in ((-1, 1), (0, -1), (4, 1)):
-        with pytest.raises(StreamError, match="offset"):
+    for start, count in ((-1, 1), (0, -1), (True, 1)):
+        with pytest.raises(StreamError, match=r"read\(start, count\) takes integers >= 0"):
             log.read(start, count)
+    with pytest.raises(StreamError, match=r"offset 4 is past its end \(3\)"):
+        log.read(4, 1)
+    with pytest.raises(StreamError, match="timestamps must be finite"):
+        log.append(good, timestamp=float("nan"))
 
 
 def test_a_damaged_record_is_handed_back_aside_and_the_rest_are_read(tmp_path):
@@ -94,10 +98,29 @@ def test_a_damaged_record_is_handed_back_aside_and_the_rest_are_read(tmp_path):
     got = log.read(0, 10)
     assert got.offsets.tolist() == [0, 1, 2, 3, 5, 6, 8, 9] and got.next_offset == 10
     assert [(b.offset, b.reason) for b in got.bad] == [
-        (4, "record 4: its CRC does not match"),
-        (7, "record 7: its CRC does not match"),  # (the CRC covers the offset too)
+        (4, "its CRC does not match"),
+        (7, "its CRC does not match"),  # (the CRC covers the offset too)
     ]
-    assert got.fields["ids"][:, 0].tolist() == [0, 1, 2, 3, 5, 6, 8, 9] and len(got.bad[0].raw) == size
+    assert got.fields["ids"][:, 0].tolist() == [0, 1, 2, 3, 5, 6, 8, 9] and len(got.bad[0].raw) == RECORD
+
+    moved = bytearray(data[HEADER.size + 2 * RECORD : HEADER.size + 3 * RECORD])  # record 2, whole
+    data[HEADER.size + 3 * RECORD : HEADER.size + 4 * RECORD] = moved  # written again where 3 was
+    segment.write_bytes(bytes(data))
+    assert [(b.offset, b.reason) for b in log.read(3, 1).bad] == [(3, "it says offset 2")]
+
+
+def test_a_segment_cut_short_by_a_crash_reports_its_missing_records_and_reads_on(tmp_path):
+    log = StreamLog(tmp_path / "log", segment_bytes=HEADER.size + 4 * RECORD, sync=False)
+    for start in range(0, 12, 4):
+        log.append(clicks(4, start))
+    _, (_, second), _ = log.segments()
+    os.truncate(second, HEADER.size + 2 * RECORD)  # its last two records never reached the disk
+    got = log.read(0, 12)
+    assert got.offsets.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11] and got.next_offset == 12
+    assert [(b.offset, b.reason) for b in got.bad] == [
+        (6, "its segment ends before it (cut short by a crash)"),
+        (7, "its segment ends before it (cut short by a crash)"),
+    ]
 
 
 def test_a_tail_torn_by_a_dead_appender_is_cut_off_and_offsets_stay_dense(tmp_path):
@@ -149,6 +172,8 @@ def test_consumer_groups_keep_their_offsets(tmp_path):
         log.commit("trainers", 11)
     with pytest.raises(StreamError, match=r"consumer group '\.\./x'"):
         log.commit("../x", 1)
+    (tmp_path / "log" / "groups" / "not a group.json").write_text("{}")  # a stray file: not a group
+    assert log.groups() == {"audit": 10, "trainers": 6}
     (tmp_path / "log" / "groups" / "trainers.json").write_text("{broken")
     with pytest.raises(StreamError, match="cannot read consumer group 'trainers'"):
         log.committed("trainers")
@@ -212,7 +237,7 @@ def test_tail_yields_records_as_they_are_appended(tmp_path):
     writer = threading.Thread(target=append_later)
     writer.start()
     try:
-        for records in log.tail(1, poll_s=0.01):
+        for records, _ in zip(log.tail(1, poll_s=0.01), range(4), strict=False):  # (at most 4 reads)
             seen += records.offsets.tolist()
             appended.set()
             if len(seen) == 4:
@@ -254,3 +279,33 @@ def test_the_stream_commands_append_tail_and_describe_a_log(tmp_path):
     assert "retention: none" in info.stdout and "group trainers: committed 8, lag 4" in info.stdout
     missing = fluidps_cli("stream", "info", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and "is not a stream log" in missing.stderr
+
+
+def test_reads_while_an_appender_rolls_segments_see_every_record_once(tmp_path):
+    log = StreamLog(tmp_path / "log", segment_bytes=HEADER.size + 3 * RECORD, sync=False)
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def append_all() -> None:
+        try:
+            writer = StreamLog(tmp_path / "log", sync=False)
+            for start in range(0, 300, 2):  # a new segment every other append
+                writer.append(clicks(2, start))
+        except BaseException as e:  # (reported below, in the test's thread)
+            failures.append(e)
+        finally:
+            done.set()
+
+    log.append(clicks(1, -1))  # offset 0 holds id -1: the fields exist before the reader starts
+    appender = threading.Thread(target=append_all)
+    appender.start()
+    seen, offset = [], 0
+    try:
+        while not (done.is_set() and offset == log.end_offset()):
+            records = log.read(offset, 7)
+            assert not records.bad
+            seen += records.fields["ids"][:, 0].tolist()
+            offset = records.next_offset
+    finally:
+        appender.join(timeout=120)
+    assert not failures and seen == list(range(-1, 300))

@@ -111,5 +111,23 @@ def test_a_snapshot_restores_the_queue_and_a_broken_one_is_refused():
         WindowQueue.from_snapshot(broken, 0.0)
     with pytest.raises(Error, match="not a valid window snapshot"):
         WindowQueue.from_snapshot({"version": 1, "kind": "windows"}, 0.0)
-    with pytest.raises(Error, match="window_records must be >= 1"):
+    with pytest.raises(Error, match="next_window 3 is not past its windows"):
+        WindowQueue.from_snapshot(dict(snapshot, next_window=3), 0.0)
+    with pytest.raises(Error, match=r"windows \[2\] are not each in exactly one of todo, pending"):
+        WindowQueue.from_snapshot(dict(snapshot, done=[2]), 0.0)
+    with pytest.raises(Error, match="window_records must be an integer >= 1, got 0"):
         WindowConfig("log:x", "g", 0)
+    with pytest.raises(Error, match="consumer group 'a b'"):
+        WindowConfig("log:x", "a b", 10)
+
+
+def test_windows_that_expire_together_go_back_oldest_first_and_a_drain_survives_a_restart():
+    q = queue(10, timeout=5.0)
+    q.offer(30, 0.0, dense(30))
+    for trainer in range(3):
+        q.acquire(trainer, f"w{trainer}", 0.0)
+    assert [w for _, w in q.expire(5.0)] == ["requeued"] * 3
+    assert list(q.todo) == [0, 1, 2]  # the committed offset waits for window 0: it goes first
+    q.stop()
+    back = WindowQueue.from_snapshot(json.loads(json.dumps(q.to_snapshot())), now=10.0)
+    assert back.stopping and back.offer(50, 10.0, dense(50)) == []  # still draining
