@@ -196,26 +196,16 @@ def calibrate(output: str | None, calls: int, rounds: int) -> None:
     click.echo(f"  memory copy      {model.bandwidth / 1e9:8.1f} GB/s")
     click.echo(f"  one op           {model.op_overhead_s * 1e6:8.2f} us")
     click.echo(f"  one program run  {model.run_overhead_s * 1e6:8.2f} us besides its ops")
-    click.echo(
-        f"  a stage's own    {model.stage_overhead_s * 1e6:8.1f} us a micro-batch"
-        + _spread(measured, "stage_overhead_s", 1e6)
-    )
-    click.echo(
-        f"  message          {model.alpha_s * 1e6:8.1f} us + {model.beta_s * 1e9:.3f} ns/byte on its way"
-        + _spread(measured, "alpha_s", 1e6)
-    )
-    click.echo(
-        f"  sending one      {model.send_cpu_s * 1e6:8.1f} us of the sender's time"
-        + _spread(measured, "send_cpu_s", 1e6)
-    )
-    click.echo(
-        f"  a byte to a stage {model.stage_byte_s * 1e9:7.3f} ns at each end"
-        + _spread(measured, "stage_byte_s", 1e9)
-    )
-    click.echo(
-        f"  a waiting stage  {model.wait_factor:8.2f} x slower than the slowest"
-        + _spread(measured, "wait_factor", 1)
-    )
+    per_round = (  # (what each line says, the constant whose spread over the rounds follows, its unit)
+        (f"a stage's own    {model.stage_overhead_s * 1e6:8.1f} us a micro-batch", "stage_overhead_s", 1e6),
+        (f"message          {model.alpha_s * 1e6:8.1f} us + {model.beta_s * 1e9:.3f} ns/byte on its way",
+         "alpha_s", 1e6),
+        (f"sending one      {model.send_cpu_s * 1e6:8.1f} us of the sender's time", "send_cpu_s", 1e6),
+        (f"a byte to a stage {model.stage_byte_s * 1e9:7.3f} ns at each end", "stage_byte_s", 1e9),
+        (f"a waiting stage  {model.wait_factor:8.2f} x slower than the slowest", "wait_factor", 1),
+    )  # fmt: skip
+    for line, name, unit in per_round:
+        click.echo(f"  {line}{_spread(measured, name, unit)}")
     for size, seconds in measured[0]["round_trips"]:
         click.echo(f"    round trip of {size:>9,} bytes: {seconds * 1e6:8.1f} us (first round)")
     click.echo(f"stored in {path}")
