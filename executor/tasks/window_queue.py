@@ -28,6 +28,7 @@ from fluidps.executor.tasks.leases import Lease, LeaseBook
 from fluidps.io.stream import check_group
 
 SNAPSHOT_VERSION = 1
+DISCARDED_KEPT = 64  # the latest discarded windows whose reasons the status keeps
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class WindowQueue(LeaseBook):
         self.waiting_since: float | None = None  # when records past next_start were first seen
         self.next_window = 0
         self.records = 0  # records of the windows done
+        self.discarded_windows = 0  # discarded windows now below the committed offset (not trained on)
         self.stopping = False  # draining: no new windows
 
     # -- cutting ---------------------------------------------------------------------------
@@ -152,6 +154,10 @@ class WindowQueue(LeaseBook):
             self.done.discard(window.id)
             self.applied.pop(window.id, None)
             self.failures.pop(window.id, None)
+            if window.id in self.discarded:  # (an endless stream: keep a count and the latest few)
+                self.discarded_windows += 1
+                while len(self.discarded) > DISCARDED_KEPT:
+                    del self.discarded[min(self.discarded)]
 
     # -- reporting and persistence -----------------------------------------------------------
 
@@ -166,6 +172,7 @@ class WindowQueue(LeaseBook):
             "pending": len(self.pending),
             "done_ahead": len(self.done),  # done, waiting for an earlier window
             "discarded": {str(w): why for w, why in sorted(self.discarded.items())},
+            "discarded_windows": self.discarded_windows,
             "records": self.records,
             "stopping": self.stopping,
         }
@@ -189,6 +196,7 @@ class WindowQueue(LeaseBook):
             "next_window": self.next_window,
             "next_lease": self.next_lease,
             "records": self.records,
+            "discarded_windows": self.discarded_windows,
             "stopping": self.stopping,
         }
 
@@ -216,6 +224,7 @@ class WindowQueue(LeaseBook):
             queue.next_lease = int(snapshot["next_lease"])
             queue.records = int(snapshot["records"])
             queue.stopping = bool(snapshot["stopping"])
+            queue.discarded_windows = int(snapshot["discarded_windows"])
         except (KeyError, TypeError, ValueError, Error) as e:
             raise Error(f"not a valid window snapshot: {type(e).__name__}: {e}") from None
         queue._check()

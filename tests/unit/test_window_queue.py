@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fluidps.errors import Error
-from fluidps.executor.tasks.window_queue import Window, WindowConfig, WindowQueue
+from fluidps.executor.tasks.window_queue import DISCARDED_KEPT, Window, WindowConfig, WindowQueue
 
 
 def dense(end: int):
@@ -73,6 +73,7 @@ def test_failed_expired_and_restarted_windows_go_back_and_a_late_report_is_not_c
     assert not q.finish(second.id, "w0", 10)  # the old process's report: not counted
     assert q.expire(6.5) == [(again, "discarded")]  # second failure of window 0: past max_failures
     assert q.committed == 10 and q.status()["discarded"] == {"0": "timed out after 5 s"}  # (not trained on)
+    assert q.status()["discarded_windows"] == 1
     (lease,) = q.pending.values()
     assert q.finish(lease.id, "w0b", 10) and q.committed == 20  # past the discarded window too
     assert q.records == 10
@@ -131,3 +132,18 @@ def test_windows_that_expire_together_go_back_oldest_first_and_a_drain_survives_
     q.stop()
     back = WindowQueue.from_snapshot(json.loads(json.dumps(q.to_snapshot())), now=10.0)
     assert back.stopping and back.offer(50, 10.0, dense(50)) == []  # still draining
+
+
+def test_an_endless_stream_keeps_the_latest_discarded_windows_and_counts_the_rest():
+    q = queue(1, max_failures=0)
+    q.offer(DISCARDED_KEPT + 10, 0.0, dense(DISCARDED_KEPT + 10))
+    for window in range(DISCARDED_KEPT + 10):
+        lease = q.acquire(0, "w0", 0.0)
+        assert q.fail(lease.id, "w0", f"bad window {window}") == "discarded"
+    status = q.status()
+    assert status["discarded_windows"] == DISCARDED_KEPT + 10 and q.committed == DISCARDED_KEPT + 10
+    assert len(status["discarded"]) == DISCARDED_KEPT and status["discarded"][str(DISCARDED_KEPT + 9)] == (
+        f"bad window {DISCARDED_KEPT + 9}"
+    )
+    back = WindowQueue.from_snapshot(json.loads(json.dumps(q.to_snapshot())), 0.0)
+    assert back.status() == status
