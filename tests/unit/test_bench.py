@@ -379,3 +379,19 @@ def test_the_placement_bench_measures_every_split_and_the_automatic_one():
                 3 * max(loads) / sum(loads), rel=1e-2
             )
     assert sliced["Cost"]["max_over_mean"] <= 1.1  # cut into blocks, the load balances
+
+
+def test_the_streaming_bench_reads_the_log_and_the_same_records_from_datasets():
+    (row,) = bench("streaming", "--quick")
+    assert row["row"] == "log" and row["records"] == 20_000 and row["bytes_per_record"] == 96.0
+    speeds = [
+        "append_fsync_per_s",
+        "append_no_fsync_per_s",
+        "read_per_s",
+        "parquet_read_per_s",
+        "npz_read_per_s",
+    ]
+    assert all(row[key] > 0 for key in speeds)
+    assert row["log_read_over_parquet"] == pytest.approx(
+        row["read_per_s"] / row["parquet_read_per_s"], rel=1e-2
+    )
