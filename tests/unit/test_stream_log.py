@@ -309,3 +309,14 @@ def test_reads_while_an_appender_rolls_segments_see_every_record_once(tmp_path):
     finally:
         appender.join(timeout=120)
     assert not failures and seen == list(range(-1, 300))
+
+
+def test_the_compiled_crc_of_each_record_is_zlibs():
+    import zlib
+
+    from fluidps.io.crc import crc32_rows
+
+    rows = np.random.default_rng(3).integers(0, 256, (40, 41), dtype=np.uint8)
+    for length in (0, 1, 7, 8, 9, 16, 23, 37):
+        want = [zlib.crc32(row[:length].tobytes()) for row in rows]
+        assert crc32_rows(rows, length).tolist() == want, length
