@@ -36,11 +36,9 @@ log = logging.getLogger(__name__)
 
 URL = re.compile(r"redis://(?P<host>[^:/]+)(?::(?P<port>\d+))?/(?P<stream>[^/\s]+)")
 SEQ_BITS = 20  # an id's sequence number: below 2**20 entries a millisecond
+MS_BITS = 63 - SEQ_BITS  # its milliseconds (an offset is an int64)
 FIELDS_KEY = "{stream}:fluidps-fields"
 T = TypeVar("T")
-
-
-MS_BITS = 63 - SEQ_BITS  # (an offset is an int64)
 
 
 def id_to_offset(entry_id: bytes | str) -> int:
