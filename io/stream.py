@@ -17,12 +17,14 @@ that follows this one starts.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from fluidps.errors import StreamError
+from fluidps.io.dataset import Field
 
 GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -90,6 +92,91 @@ def check_group(group: str) -> str:
             "letter or digit"
         )
     return group
+
+
+# -- the records' fields, as every source checks them ----------------------------------------
+
+
+def field_of(name: str, value: object) -> Field:
+    """Field `name` from a Field or an example of one record's value."""
+    if isinstance(value, Field):
+        return Field(name, value.dtype.newbyteorder("="), tuple(value.shape))
+    example = np.asarray(value)
+    if example.dtype.kind not in "biuf":
+        raise StreamError(f"field {name!r} is {example.dtype}; fields hold numbers")
+    return Field(name, example.dtype.newbyteorder("="), example.shape)
+
+
+def describe_fields(fields: Mapping[str, Field] | None) -> str:
+    return "(none)" if not fields else ", ".join(f.describe() for f in fields.values())
+
+
+def fields_to_json(fields: Mapping[str, Field]) -> list[dict[str, Any]]:
+    return [
+        {"name": f.name, "dtype": f.dtype.newbyteorder("<").str, "shape": list(f.shape)}
+        for f in fields.values()
+    ]
+
+
+def fields_from_json(items: object, where: str) -> dict[str, Field]:
+    """fields_to_json's fields back, checked (`where` names their file or key in errors)."""
+    if not isinstance(items, list) or not items:
+        raise StreamError(f"{where}: 'fields' must be a non-empty list")
+    fields: dict[str, Field] = {}
+    for item in items:
+        try:
+            name, dtype, shape = item["name"], np.dtype(item["dtype"]), tuple(item["shape"])
+        except (KeyError, TypeError) as e:
+            raise StreamError(f"{where}: a field needs a name, a dtype and a shape ({e})") from None
+        if (
+            not isinstance(name, str)
+            or dtype.kind not in "biuf"
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
+            raise StreamError(f"{where}: field {item!r} is not a name, a numeric dtype and a shape")
+        fields[name] = Field(name, dtype.newbyteorder("="), shape)
+    return fields
+
+
+def batch_arrays(batch: Mapping[str, object], where: str) -> dict[str, np.ndarray]:
+    """An append's `batch` as arrays, each with one row per record."""
+    if not isinstance(batch, Mapping) or not batch:
+        raise StreamError(
+            f"{where}: append takes a mapping of field name to array, got {type(batch).__name__}"
+        )
+    arrays = {str(name): np.asarray(value) for name, value in batch.items()}
+    rows = {name: (len(a) if a.ndim else None) for name, a in arrays.items()}
+    if None in rows.values() or len(set(rows.values())) != 1:
+        raise StreamError(f"{where}: every field needs one row per record, got rows {rows}")
+    return arrays
+
+
+def fields_of_batch(arrays: Mapping[str, np.ndarray], where: str) -> dict[str, Field]:
+    """The fields a first append's arrays give a stream."""
+    for name, array in arrays.items():
+        if array.dtype.kind not in "biuf":
+            raise StreamError(f"{where}: field {name!r} is {array.dtype}; fields hold numbers")
+    return {name: Field(name, a.dtype.newbyteorder("="), a.shape[1:]) for name, a in arrays.items()}
+
+
+def check_batch(arrays: Mapping[str, np.ndarray], fields: Mapping[str, Field], where: str) -> None:
+    """That an append's arrays are the stream's fields, each convertible without loss."""
+    if set(arrays) != set(fields):
+        missing, extra = sorted(set(fields) - set(arrays)), sorted(set(arrays) - set(fields))
+        raise StreamError(
+            f"{where}: its records have fields {describe_fields(fields)}; missing {missing}, unknown {extra}"
+        )
+    for name, f in fields.items():
+        array = arrays[name]
+        if array.shape[1:] != f.shape:
+            raise StreamError(
+                f"{where}: field {name!r} is {f.dtype}{list(f.shape)} a record, got {array.dtype}{list(array.shape[1:])}"
+            )
+        if not np.can_cast(array.dtype, f.dtype, "safe"):
+            raise StreamError(
+                f"{where}: field {name!r} holds {f.dtype}; {array.dtype} does not convert to it without loss "
+                "(cast it first)"
+            )
 
 
 def open_stream(spec: str) -> StreamSource:

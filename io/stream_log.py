@@ -42,7 +42,19 @@ from fluidps.errors import SerializationError, StreamError
 from fluidps.io.atomic import fsync_dir, write_atomic
 from fluidps.io.crc import crc32_rows
 from fluidps.io.dataset import Field
-from fluidps.io.stream import GROUP_NAME, BadRecord, Records, check_group
+from fluidps.io.stream import (
+    GROUP_NAME,
+    BadRecord,
+    Records,
+    batch_arrays,
+    check_batch,
+    check_group,
+    describe_fields,
+    field_of,
+    fields_from_json,
+    fields_of_batch,
+    fields_to_json,
+)
 
 MANIFEST = "stream.json"
 FORMAT = "fluidps-stream"
@@ -91,7 +103,7 @@ class StreamLog:
             if v is not None
         }
         if fields is not None:
-            given = {name: _field_of(name, value) for name, value in fields.items()}
+            given = {name: field_of(name, value) for name, value in fields.items()}
             if self._manifest is None:
                 with self._append_lock():  # (another process may be creating it too)
                     if (self.path / MANIFEST).exists():
@@ -100,8 +112,8 @@ class StreamLog:
                         self._create(given, wanted)
             if given != self.fields:
                 raise StreamError(
-                    f"stream log {self.path} holds records of {_describe(self.fields)}, not "
-                    f"{_describe(given)}"
+                    f"stream log {self.path} holds records of {describe_fields(self.fields)}, not "
+                    f"{describe_fields(given)}"
                 )
         if self._manifest is None:
             self._settings = {"segment_bytes": DEFAULT_SEGMENT_BYTES, "retain_bytes": None,
@@ -292,7 +304,7 @@ class StreamLog:
         self.close()
 
     def describe(self) -> str:
-        fields = "no records yet" if self.fields is None else _describe(self.fields)
+        fields = "no records yet" if self.fields is None else describe_fields(self.fields)
         start, end = self.start_offset(), self.end_offset()
         held = f"offsets {start}..{end - 1}" if end > start else "no records held"
         return (
@@ -303,50 +315,17 @@ class StreamLog:
     # -- internals ------------------------------------------------------------------------
 
     def _checked_batch(self, batch: Mapping[str, object]) -> dict[str, np.ndarray]:
-        if not isinstance(batch, Mapping) or not batch:
-            raise StreamError(f"append takes a mapping of field name to array, got {type(batch).__name__}")
-        arrays = {str(name): np.asarray(value) for name, value in batch.items()}
-        rows = {name: (len(a) if a.ndim else None) for name, a in arrays.items()}
-        if None in rows.values() or len(set(rows.values())) != 1:
-            raise StreamError(f"append to {self.path}: every field needs one row per record, got rows {rows}")
+        where = f"append to {self.path}"
+        arrays = batch_arrays(batch, where)
         if self.fields is None:  # the first append sets the fields
-            for name, array in arrays.items():
-                if array.dtype.kind not in "biuf":
-                    raise StreamError(
-                        f"append to {self.path}: field {name!r} is {array.dtype}; fields hold numbers"
-                    )
-            fields = {name: Field(name, a.dtype.newbyteorder("="), a.shape[1:]) for name, a in arrays.items()}
+            fields = fields_of_batch(arrays, where)
             with self._append_lock():
                 if (self.path / MANIFEST).exists():  # another process created it first
                     self._manifest = self._read_manifest()
                 else:
                     self._create(fields, self._settings)
-            if fields != self.fields:
-                raise StreamError(
-                    f"stream log {self.path} holds records of {_describe(self.fields)}, not {_describe(fields)}"
-                )
-        expected = self.fields
-        if set(arrays) != set(expected):
-            missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
-            raise StreamError(
-                f"append to {self.path}: its records have fields {_describe(expected)}; "
-                f"missing {missing}, unknown {extra}"
-            )
-        out = {}
-        for name, field in expected.items():
-            array = arrays[name]
-            if array.shape[1:] != field.shape:
-                raise StreamError(
-                    f"append to {self.path}: field {name!r} is {field.dtype}{list(field.shape)} a record, "
-                    f"got {array.dtype}{list(array.shape[1:])}"
-                )
-            if not np.can_cast(array.dtype, field.dtype, "safe"):
-                raise StreamError(
-                    f"append to {self.path}: field {name!r} holds {field.dtype}; {array.dtype} does not "
-                    "convert to it without loss (cast it first)"
-                )
-            out[name] = array
-        return out
+        check_batch(arrays, self.fields, where)
+        return arrays
 
     def _record_dtype(self) -> np.dtype:
         columns = [("offset", "<u8"), ("time", "<f8")]
@@ -426,7 +405,7 @@ class StreamLog:
         if size != self._record_dtype().itemsize:
             raise StreamError(
                 f"{file} holds records of {size} bytes; the manifest's fields "
-                f"({_describe(self.fields)}) make {self._record_dtype().itemsize}"
+                f"({describe_fields(self.fields)}) make {self._record_dtype().itemsize}"
             )
 
     def _whole_records(self, file: Path) -> int:
@@ -523,10 +502,7 @@ class StreamLog:
         body = {
             "format": FORMAT,
             "version": VERSION,
-            "fields": [
-                {"name": f.name, "dtype": f.dtype.newbyteorder("<").str, "shape": list(f.shape)}
-                for f in self._manifest["fields"].values()
-            ],
+            "fields": fields_to_json(self._manifest["fields"]),
             **self.settings,
         }
         write_atomic(str(self.path / MANIFEST), [json.dumps(body, indent=1).encode()])
@@ -539,34 +515,10 @@ class StreamLog:
             raise StreamError(f"cannot read the stream log manifest {file}: {e}") from None
         if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") != VERSION:
             raise StreamError(f"{file} is not a version {VERSION} {FORMAT} manifest")
-        fields: dict[str, Field] = {}
-        items = body.get("fields")
-        if not isinstance(items, list) or not items:
-            raise StreamError(f"{file}: 'fields' must be a non-empty list")
-        for item in items:
-            try:
-                name, dtype, shape = item["name"], np.dtype(item["dtype"]), tuple(item["shape"])
-            except (KeyError, TypeError) as e:
-                raise StreamError(f"{file}: a field needs a name, a dtype and a shape ({e})") from None
-            if (
-                not isinstance(name, str)
-                or dtype.kind not in "biuf"
-                or not all(isinstance(d, int) and d >= 0 for d in shape)
-            ):
-                raise StreamError(f"{file}: field {item!r} is not a name, a numeric dtype and a shape")
-            fields[name] = Field(name, dtype.newbyteorder("="), shape)
+        fields = fields_from_json(body.get("fields"), str(file))
         settings = {k: body.get(k) for k in ("segment_bytes", "retain_bytes", "retain_seconds")}
         _check_settings(settings, str(file))
         return {**settings, "fields": fields}
-
-
-def _field_of(name: str, value: object) -> Field:
-    if isinstance(value, Field):
-        return Field(name, value.dtype.newbyteorder("="), tuple(value.shape))
-    example = np.asarray(value)
-    if example.dtype.kind not in "biuf":
-        raise StreamError(f"field {name!r} is {example.dtype}; fields hold numbers")
-    return Field(name, example.dtype.newbyteorder("="), example.shape)
 
 
 def _check_settings(settings: dict, where: str) -> None:
@@ -583,10 +535,6 @@ def _check_settings(settings: dict, where: str) -> None:
 
 def _is_offset(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
-
-
-def _describe(fields: Mapping[str, Field] | None) -> str:
-    return "(none)" if not fields else ", ".join(f.describe() for f in fields.values())
 
 
 def _size(file: Path) -> int:

@@ -30,7 +30,18 @@ import numpy as np
 
 from fluidps.errors import StreamError
 from fluidps.io.dataset import Field
-from fluidps.io.stream import BadRecord, Records, check_group
+from fluidps.io.stream import (
+    BadRecord,
+    Records,
+    batch_arrays,
+    check_batch,
+    check_group,
+    describe_fields,
+    field_of,
+    fields_from_json,
+    fields_of_batch,
+    fields_to_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +97,15 @@ class RedisStream:
         self._redis = client
         self._fields: dict[str, Field] | None = None
         if fields is not None:
-            given = {name: _field_of(name, value) for name, value in fields.items()}
+            given = {name: field_of(name, value) for name, value in fields.items()}
             stored = self._stored_fields()
             if stored is None:
-                self._call(lambda r: r.set(self._fields_key, _fields_json(given), nx=True))
+                self._call(lambda r: r.set(self._fields_key, json.dumps(fields_to_json(given)), nx=True))
                 stored = self._stored_fields()
             if stored != given:
-                raise StreamError(f"{url} holds records of {_describe(stored)}, not {_describe(given)}")
+                raise StreamError(
+                    f"{url} holds records of {describe_fields(stored)}, not {describe_fields(given)}"
+                )
 
     @property
     def _fields_key(self) -> str:
@@ -159,27 +172,16 @@ class RedisStream:
         """Append one entry per row of `batch` (in one transaction); returns their offsets.
         At least once: a batch whose reply a dropped connection lost is sent again, and
         may then be in the stream twice."""
-        arrays = {str(name): np.asarray(value) for name, value in batch.items()}
-        rows = {name: (len(a) if a.ndim else None) for name, a in arrays.items()}
-        if not arrays or None in rows.values() or len(set(rows.values())) != 1:
-            raise StreamError(f"append to {self.name}: every field needs one row per record, got rows {rows}")
+        where = f"append to {self.name}"
+        arrays = batch_arrays(batch, where)
         fields = self.fields
         if fields is None:
-            given = {name: Field(name, a.dtype.newbyteorder("="), a.shape[1:]) for name, a in arrays.items()}
-            self._call(lambda r: r.set(self._fields_key, _fields_json(given), nx=True))
+            given = fields_of_batch(arrays, where)
+            self._call(lambda r: r.set(self._fields_key, json.dumps(fields_to_json(given)), nx=True))
             self._fields = None
             fields = self.fields
-        if set(arrays) != set(fields):
-            raise StreamError(
-                f"append to {self.name}: its records have fields {_describe(fields)}, got {sorted(arrays)}"
-            )
-        for name, f in fields.items():
-            if arrays[name].shape[1:] != f.shape or not np.can_cast(arrays[name].dtype, f.dtype, "safe"):
-                raise StreamError(
-                    f"append to {self.name}: field {name!r} is {f.dtype}{list(f.shape)} a record, "
-                    f"got {arrays[name].dtype}{list(arrays[name].shape[1:])}"
-                )
-        count = next(iter(rows.values()))
+        check_batch(arrays, fields, where)
+        count = len(next(iter(arrays.values())))
         text = {name: [_format(v) for v in arrays[name].astype(fields[name].dtype)] for name in fields}
 
         def add(r: Any) -> list:
@@ -246,14 +248,11 @@ class RedisStream:
             return None
         try:
             items = json.loads(text)
-            return {
-                i["name"]: Field(i["name"], np.dtype(i["dtype"]).newbyteorder("="), tuple(i["shape"]))
-                for i in items
-            }
-        except (ValueError, KeyError, TypeError) as e:
+        except ValueError as e:
             raise StreamError(
                 f"{self.name}: the key {self._fields_key} does not hold fluidps fields: {e}"
             ) from None
+        return fields_from_json(items, f"{self.name} (key {self._fields_key})")
 
     def _call(self, action: Callable[[Any], T]) -> T:
         """`action(client)`, retried while Redis cannot be reached, for up to retry_s."""
@@ -310,23 +309,3 @@ def _format(value: np.ndarray) -> str:
     if value.dtype.kind == "b":
         value = value.astype(np.int64)
     return " ".join(repr(v) for v in np.ravel(value).tolist())
-
-
-def _fields_json(fields: Mapping[str, Field]) -> str:
-    return json.dumps(
-        [
-            {"name": f.name, "dtype": f.dtype.newbyteorder("<").str, "shape": list(f.shape)}
-            for f in fields.values()
-        ]
-    )
-
-
-def _field_of(name: str, value: object) -> Field:
-    if isinstance(value, Field):
-        return Field(name, value.dtype.newbyteorder("="), tuple(value.shape))
-    example = np.asarray(value)
-    return Field(name, example.dtype.newbyteorder("="), example.shape)
-
-
-def _describe(fields: Mapping[str, Field] | None) -> str:
-    return "(none)" if not fields else ", ".join(f.describe() for f in fields.values())
