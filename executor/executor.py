@@ -43,7 +43,7 @@ NextFeed = Mapping[str, Any] | Callable[[], Mapping[str, Any] | None] | None
 RUNTIME_OPS = frozenset(
     {"send", "recv", "send_barrier", "fetch_barrier", "listen_and_serv", "enqueue", "dequeue"}
     | {"distributed_lookup_table"}  # prefetches rows of a table the pservers hold
-    | {"create_dataset_reader"}  # readers get their tasks through the runtime
+    | {"create_dataset_reader", "create_stream_reader"}  # readers get their tasks through the runtime
     | {"send_v2", "recv_v2"}  # pipeline stages' exchanges
 )
 _HOLDERS = (FEED_VAR_NAME, FETCH_VAR_NAME)
@@ -476,6 +476,16 @@ class Executor:
         return explain(
             program.global_block(), compiler.min_ops if compiler else MIN_OPS, not compiler or compiler.fuse
         )
+
+    def stop_streams(self) -> int:
+        """Drain this executor's stream readers (layers.stream_reader): each finishes the
+        window in hand (its records applied, the stream's offset committed), then the next
+        `run` past it raises EOFException, ending a training loop as a dataset's last
+        pass does. Safe to call from a signal handler (SIGTERM). Returns how many readers
+        there were."""
+        if self._runtime is None or not self._runtime.has_readers:
+            return 0
+        return self._runtime.readers.stop_streams()
 
     def close(self) -> list[str]:
         """Release prepared programs and, in a distributed job, tell every pserver this

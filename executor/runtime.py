@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from fluidps.executor.compiler import Compiler
     from fluidps.executor.ps.host import PserverHost
     from fluidps.executor.ps.trainer_client import TrainerClient
+    from fluidps.executor.tasks.stream_reader import WindowSource
     from fluidps.executor.tasks.task_reader import Readers, TaskSource
     from fluidps.ops.runtime_api import StageChannel
 
@@ -180,12 +181,17 @@ class Runtime:
         trainer.pause()
         return False
 
-    def _coordinator_source(self, address: str, request: dict[str, Any]) -> TaskSource:
-        from fluidps.executor.tasks.coordinator_client import CoordinatorClient, CoordinatorSource
+    def _coordinator_source(self, address: str, request: dict[str, Any]) -> TaskSource | WindowSource:
+        """A reader's tasks from the coordinator: a dataset's, or a stream's windows."""
+        from fluidps.executor.tasks.coordinator_client import (
+            CoordinatorClient,
+            CoordinatorSource,
+            CoordinatorWindows,
+        )
 
         trainer_id = self._trainer.trainer_id if self._trainer is not None else 0
         client = CoordinatorClient(self.context_for(address), address, self.settings, trainer_id, self.sender)
-        return CoordinatorSource(client, request)
+        return CoordinatorWindows(client, request) if "stream" in request else CoordinatorSource(client, request)
 
     # -- ending --------------------------------------------------------------------------------
 

@@ -73,6 +73,12 @@ class StreamSource(Protocol):
         """Up to `count` records from offset `start` (fewer at the end of the stream)."""
         ...
 
+    def advance(self, start: int, count: int, end: int) -> tuple[int, int]:
+        """(stop, n): the offset after the first `count` records from `start` that lie before
+        `end` (after the last of them when fewer are there), and how many records that is:
+        where a window of `count` records starting at `start` ends."""
+        ...
+
     def commit(self, group: str, offset: int) -> None:
         """Record that `group` is done with every record before `offset`."""
         ...
@@ -82,6 +88,37 @@ class StreamSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def read_range(source: StreamSource, start: int, stop: int, chunk: int = 65536) -> Records:
+    """Every record of `source` at offsets start .. stop - 1 (a window), read `chunk`
+    records at a time; records retired meanwhile are missing, and `next_offset` is `stop`."""
+    parts: list[Records] = []
+    offset = max(start, min(source.start_offset(), stop))
+    while offset < stop:
+        part = source.read(offset, min(chunk, stop - offset))  # (fewer when offsets are sparse)
+        keep = part.offsets < stop
+        if not keep.all():
+            part = Records(
+                part.offsets[keep],
+                part.timestamps[keep],
+                {name: a[keep] for name, a in part.fields.items()},
+                stop,
+                tuple(b for b in part.bad if b.offset < stop),
+            )
+        parts.append(part)
+        if part.next_offset <= offset:  # (nothing more there: the stream ends before stop)
+            break
+        offset = part.next_offset
+    if not parts:
+        return Records(np.zeros(0, np.int64), np.zeros(0), {}, stop)
+    return Records(
+        np.concatenate([p.offsets for p in parts]),
+        np.concatenate([p.timestamps for p in parts]),
+        {name: np.concatenate([p.fields[name] for p in parts]) for name in parts[0].fields},
+        stop,
+        tuple(b for p in parts for b in p.bad),
+    )
 
 
 def check_group(group: str) -> str:

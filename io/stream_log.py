@@ -243,6 +243,12 @@ class StreamLog:
                   for (base, file), nxt in zip(segments, ends, strict=True) if base < stop and nxt > start]  # fmt: skip
         return self._decode(chunks, stop)
 
+    def advance(self, start: int, count: int, end: int) -> tuple[int, int]:
+        """(stop, n): where `count` records from `start` end, before `end` (StreamSource.advance)."""
+        first, last = max(start, self.start_offset()), min(end, self.end_offset())
+        n = max(0, min(count, last - first))
+        return (first + n, n) if n else (start, 0)
+
     def tail(self, start: int, poll_s: float = 0.2, batch: int = 1024) -> Iterator[Records]:
         """Reads from `start` on, forever: each new run of records as it is appended."""
         offset = start

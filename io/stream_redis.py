@@ -168,6 +168,17 @@ class RedisStream:
             np.array(offsets, np.int64), np.array(stamps, np.float64), arrays, next_offset, tuple(bad)
         )
 
+    def advance(self, start: int, count: int, end: int) -> tuple[int, int]:
+        """(stop, n): where `count` entries from `start` end, before `end` (StreamSource.advance)."""
+        if count < 1 or end <= start:
+            return start, 0
+        entries = self._call(
+            lambda r: r.xrange(
+                self.stream, offset_to_id(int(start)), offset_to_id(int(end) - 1), count=int(count)
+            )
+        )
+        return (id_to_offset(entries[-1][0]) + 1, len(entries)) if entries else (start, 0)
+
     def append(self, batch: Mapping[str, object]) -> np.ndarray:
         """Append one entry per row of `batch` (in one transaction); returns their offsets.
         At least once: a batch whose reply a dropped connection lost is sent again, and

@@ -1,12 +1,12 @@
 """The builder API: layers append ops to the programs of the current `program_guard`.
 
 May import: fluidps.errors, fluidps.ir, fluidps.ops, fluidps.initializer, fluidps.param_attr,
-fluidps.io.dataset
+fluidps.io.dataset, fluidps.io.stream
 """
 
 from fluidps.layers.guard import program_guard
 from fluidps.layers.helper import LayerHelper
-from fluidps.layers.io import data, dataset_reader
+from fluidps.layers.io import data, dataset_reader, stream_reader
 from fluidps.layers.learning_rate import exponential_decay, piecewise_decay
 from fluidps.layers.loss import cross_entropy, softmax_with_cross_entropy
 from fluidps.layers.math import (
@@ -95,6 +95,7 @@ __all__ = [
     "split",
     "sqrt",
     "square",
+    "stream_reader",
     "sums",
     "tanh",
     "topk",

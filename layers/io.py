@@ -1,15 +1,16 @@
-"""data: declare a variable the executor feeds; dataset_reader: or have the program read it."""
+"""data: declare a variable the executor feeds; dataset_reader, stream_reader: or have the
+program read it, from a dataset or a stream."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from fluidps.errors import BuilderError
-from fluidps.io.dataset import Dataset
+from fluidps.io.dataset import Dataset, Field
 from fluidps.ir.types import VarType, to_numpy_dtype, to_vartype
 from fluidps.ir.variable import Variable
 from fluidps.layers.guard import current_programs
@@ -71,38 +72,13 @@ def dataset_reader(
     As in Fluid, the reader's `read` op is the main program's first op: take
     `main.clone(for_test=True)` before adding a reader, or the test program reads too.
     """
-    main, startup = current_programs("fluidps.layers.dataset_reader")
-    if startup is None:
-        raise BuilderError("dataset_reader needs a startup program (program_guard(main, startup))")
-    if batch_size < 1 or passes < 1 or records_per_task < 0:
+    _reader_arguments("dataset_reader", batch_size)
+    if passes < 1 or records_per_task < 0:
         raise BuilderError(
-            f"dataset_reader: batch_size and passes must be >= 1 and records_per_task >= 0, got "
-            f"{batch_size}, {passes}, {records_per_task}"
+            f"dataset_reader: passes must be >= 1 and records_per_task >= 0, got {passes}, {records_per_task}"
         )
     opened = dataset if isinstance(dataset, Dataset) else Dataset(dataset)
-    feed_list = list(feed_list)
-    fields = list(fields) if fields is not None else [v.name for v in feed_list]
-    if len(fields) != len(feed_list) or not feed_list:
-        raise BuilderError(f"dataset_reader: {len(fields)} fields for {len(feed_list)} data variables")
-    block = main.global_block()
-    for var, name in zip(feed_list, fields, strict=True):
-        if block.find_var(var.name) is not var:
-            raise BuilderError(f"dataset_reader: {var.name!r} is not a variable of the main program")
-        field = opened.fields.get(name)
-        if field is None:
-            raise BuilderError(
-                f"dataset_reader: {opened.path} has no field {name!r} for {var.name!r} "
-                f"(its fields: {', '.join(opened.fields)})"
-            )
-        shape = var.shape or ()
-        if to_numpy_dtype(var.dtype) != field.dtype or tuple(shape[1:]) != field.shape:
-            raise BuilderError(
-                f"dataset_reader: field {field.describe()} does not fit data variable {var.name!r} "
-                f"{np.dtype(to_numpy_dtype(var.dtype))}{list(shape)} (one record per row)"
-            )
-    name = main.unique_name("dataset_reader")
-    for program in (main, startup):
-        program.global_block().create_var(name, type=VarType.READER, persistable=True)
+    fields = _bound_fields("dataset_reader", feed_list, fields, opened.fields, str(opened.path))
     attrs = {
         "dataset": str(opened.path.resolve()),
         "fields": fields,
@@ -113,6 +89,118 @@ def dataset_reader(
         "seed": seed,
         "drop_last": drop_last,
     }
-    REGISTRY.append_op(startup.global_block(), "create_dataset_reader", {}, {"Out": [name]}, attrs)
+    return _append_reader("dataset_reader", "create_dataset_reader", attrs, feed_list)
+
+
+def stream_reader(
+    source: str,
+    feed_list: Sequence[Variable],
+    batch_size: int,
+    *,
+    fields: Sequence[str] | None = None,
+    group: str = "trainers",
+    window_records: int = 4096,
+    window_seconds: float | None = None,
+    follow: bool = True,
+) -> Variable:
+    """Bind a reader of the stream `source` (`log:DIR`, a fluidps.io.StreamLog, or
+    `redis://HOST:PORT/STREAM`) to the data variables `feed_list`: each run of the main
+    program then reads the next mini-batch of the stream into them, as `dataset_reader`
+    does a dataset's.
+
+    The stream is read in windows of `window_records` records (or of what arrived
+    within `window_seconds` of a window's first record, when given), from consumer group
+    `group`'s committed offset on. A window's records are applied once its last batch's
+    step has run; then the group's offset moves past it, so a job started again goes on
+    where this one stopped. Under a plain Executor the windows are cut in this process;
+    in a job with a coordinator the coordinator hands each window to one trainer.
+
+    `follow=True` reads without end, waiting for records as they arrive, until
+    `Executor.stop_streams()` (SIGTERM in a launched job) drains it: the window in hand
+    finishes, then the program raises fluidps.EOFException. `follow=False` reads what
+    the stream holds when reading starts (the last window shorter), then raises it.
+    """
+    from fluidps.io.stream import check_group, open_stream
+
+    _reader_arguments("stream_reader", batch_size)
+    if window_records < 1 or (window_seconds is not None and not window_seconds > 0):
+        raise BuilderError(
+            f"stream_reader: window_records must be >= 1 and window_seconds > 0 or None, got "
+            f"{window_records}, {window_seconds}"
+        )
+    check_group(group)
+    stream = open_stream(source)
+    try:
+        known = stream.fields  # (None until its first append: the read op checks then)
+    finally:
+        stream.close()
+    fields = _bound_fields("stream_reader", feed_list, fields, known, source)
+    attrs = {
+        "source": source,
+        "fields": fields,
+        "batch_size": batch_size,
+        "group": group,
+        "window_records": window_records,
+        "window_seconds": float(window_seconds or 0.0),
+        "follow": follow,
+    }
+    return _append_reader("stream_reader", "create_stream_reader", attrs, feed_list)
+
+
+def _reader_arguments(layer: str, batch_size: int) -> None:
+    _, startup = current_programs(f"fluidps.layers.{layer}")
+    if startup is None:
+        raise BuilderError(f"{layer} needs a startup program (program_guard(main, startup))")
+    if batch_size < 1:
+        raise BuilderError(f"{layer}: batch_size must be >= 1, got {batch_size}")
+
+
+def _bound_fields(
+    layer: str,
+    feed_list: Sequence[Variable],
+    fields: Sequence[str] | None,
+    known: Mapping[str, Field] | None,
+    where: str,
+) -> list[str]:
+    """The field each data variable of `feed_list` reads (`fields`, by default the
+    variables' names), checked against the fields `where` holds (`known`; None: not
+    known yet)."""
+    main, _ = current_programs(f"fluidps.layers.{layer}")
+    feed_list = list(feed_list)
+    fields = list(fields) if fields is not None else [v.name for v in feed_list]
+    if len(fields) != len(feed_list) or not feed_list:
+        raise BuilderError(f"{layer}: {len(fields)} fields for {len(feed_list)} data variables")
+    block = main.global_block()
+    for var, name in zip(feed_list, fields, strict=True):
+        if block.find_var(var.name) is not var:
+            raise BuilderError(f"{layer}: {var.name!r} is not a variable of the main program")
+        if known is None:
+            continue
+        field = known.get(name)
+        if field is None:
+            raise BuilderError(
+                f"{layer}: {where} has no field {name!r} for {var.name!r} (its fields: {', '.join(known)})"
+            )
+        shape = var.shape or ()
+        if to_numpy_dtype(var.dtype) != field.dtype or tuple(shape[1:]) != field.shape:
+            raise BuilderError(
+                f"{layer}: field {field.describe()} does not fit data variable {var.name!r} "
+                f"{np.dtype(to_numpy_dtype(var.dtype))}{list(shape)} (one record per row)"
+            )
+    return fields
+
+
+def _append_reader(
+    layer: str, op_type: str, attrs: dict[str, Any], feed_list: Sequence[Variable]
+) -> Variable:
+    """The READER variable, made by `op_type` in the startup program and read by the main
+    program's first op."""
+    main, startup = current_programs(f"fluidps.layers.{layer}")
+    assert startup is not None
+    block = main.global_block()
+    name = main.unique_name(layer)
+    for program in (main, startup):
+        program.global_block().create_var(name, type=VarType.READER, persistable=True)
+    REGISTRY.append_op(startup.global_block(), op_type, {}, {"Out": [name]}, attrs)
     REGISTRY.append_op(block, "read", {"Reader": [name]}, {"Out": [v.name for v in feed_list]}, index=0)
     return block.var(name)

@@ -561,7 +561,7 @@ def _without_readers(startup: Program) -> Program:
     """A trainer's startup program that only pulls the parameters (no reader made anew)."""
     out = startup.clone()
     block = out.global_block()
-    block.ops = [op for op in block.ops if op.type != "create_dataset_reader"]
+    block.ops = [op for op in block.ops if op.type not in ("create_dataset_reader", "create_stream_reader")]
     return out
 
 

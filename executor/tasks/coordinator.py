@@ -1,7 +1,10 @@
 """The coordinator: a TaskQueue served over ZeroMQ, snapshotted after every change.
 
 Trainers' readers ask it for tasks (TASK_GET, saying what they read: dataset,
-records per task, passes), report them done or failed, and renew long ones.
+records per task, passes), report them done or failed, and renew long ones. In a
+streaming job the tasks are windows of a stream (fluidps.executor.tasks.stream_windows:
+a stream reader's TASK_GET names the stream and the window), and a window reported
+done moves the stream's committed offset, after the snapshot is written.
 The first trainer's request configures a fresh coordinator; later ones must
 read the same. Every change is written to the snapshot (atomically: temporary
 file, fsync, rename) before it is answered, so a coordinator killed at any
@@ -27,13 +30,16 @@ from typing import Any
 import zmq
 
 from fluidps.errors import Error
+from fluidps.executor.tasks.stream_windows import StreamWindows
 from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
+from fluidps.executor.tasks.window_queue import WindowConfig
 from fluidps.executor.transport.liveness import SilenceClock
 from fluidps.executor.transport.rpc import Request, RpcServer
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import OPTIONAL_FLOAT, Kind, Message, json_fields
 from fluidps.io.atomic import write_atomic
 from fluidps.io.dataset import Dataset
+from fluidps.io.stream import open_stream
 
 DEFAULT_TASK_TIMEOUT = 60.0
 # What a trainer's TASK_GET says it reads.
@@ -44,6 +50,14 @@ READ_REQUEST = {
     "passes": int,
     "shuffle": bool,
     "seed": int,
+}
+# What a stream reader's TASK_GET says it reads (fluidps.executor.tasks.stream_reader).
+STREAM_REQUEST = {
+    "stream": str,
+    "group": str,
+    "window_records": int,
+    "window_seconds": OPTIONAL_FLOAT,
+    "follow": bool,
 }
 DEFAULT_MAX_FAILURES = 3
 # A lease stretches to this many times the longest gap between its trainer's messages:
@@ -68,6 +82,7 @@ class Coordinator:
         self.task_timeout, self.max_failures = task_timeout, max_failures
         self.queue: TaskQueue | None = None
         self.dataset_path: str | None = None
+        self.windows: StreamWindows | None = None  # a streaming job's, instead of a queue
         self._context = zmq.Context()
         self._running = True
         self._started = time.monotonic()
@@ -98,6 +113,14 @@ class Coordinator:
     def stop(self) -> None:
         self._running = False
 
+    def drain(self) -> None:
+        """A streaming job told to stop: cut no more windows; those cut are still handed
+        out and finished, then every reader is told "stopped" (its run ends)."""
+        if self.windows is not None and not self.windows.queue.stopping:
+            self.windows.stop()
+            self.log("draining: no new windows; the ones cut are finished first")
+            self._save()
+
     def close(self) -> None:
         self.server.close()
         self._context.term()
@@ -105,11 +128,12 @@ class Coordinator:
     def _expire(self) -> None:
         """Fail (and log) the leases past their deadline; before any request is handled,
         so that no task goes back to the queue without a word."""
-        if self.queue is None or not self.queue.pending:
+        book = self.queue if self.queue is not None else self.windows.queue if self.windows else None
+        if book is None or not book.pending:
             return
-        expired = self.queue.expire(time.monotonic())
+        expired = book.expire(time.monotonic())
         for lease, outcome in expired:
-            why = f"timed out after {self.queue.allowed(lease):g} s without word from its trainer"
+            why = f"timed out after {book.allowed(lease):g} s without word from its trainer"
             self._report_failure(lease, why, outcome)
         if expired:
             self._save()
@@ -159,6 +183,10 @@ class Coordinator:
     # -- tasks ------------------------------------------------------------------------------
 
     def _get(self, msg: Message) -> Message:
+        if _is_stream_request(msg.text):
+            return self._get_window(msg)
+        if self.windows is not None:
+            raise Error(f"trainer {msg.trainer_id} asks for a dataset's task, but this job reads a stream")
         wanted = json_fields(msg.text, READ_REQUEST)
         config = QueueConfig(
             wanted["fingerprint"],
@@ -196,7 +224,79 @@ class Coordinator:
         }
         return Message(Kind.TASK, text=json.dumps(reply))
 
+    def _get_window(self, msg: Message) -> Message:
+        wanted = json_fields(msg.text, STREAM_REQUEST)
+        config = WindowConfig(
+            wanted["stream"], wanted["group"], wanted["window_records"], wanted["window_seconds"]
+        )
+        if self.queue is not None:
+            raise Error(f"trainer {msg.trainer_id} asks for a stream's window, but this job reads a dataset")
+        if self.windows is None:
+            self.windows = StreamWindows.open(
+                open_stream(config.source), config, wanted["follow"], self.task_timeout, self.max_failures
+            )
+            self.log(
+                f"windows of {config.window_records} records"
+                + (f" or {config.window_seconds:g} s" if config.window_seconds else "")
+                + f" from {config.source}, group {config.group}, offset {self.windows.queue.committed}"
+                + ("" if wanted["follow"] else " up to the end it has now")
+            )
+        elif config != self.windows.queue.config or wanted["follow"] != self.windows.follow:
+            raise Error(
+                f"trainer {msg.trainer_id} reads the stream as {asdict(config)} (follow={wanted['follow']}), but "
+                f"this job's windows are {asdict(self.windows.queue.config)} (follow={self.windows.follow}): every "
+                "trainer must read the same stream the same way"
+            )
+        windows, worker = self.windows, f"{msg.sender:x}"
+        for lease, outcome in windows.queue.replaced(msg.trainer_id, worker):
+            self._report_failure(
+                lease, f"trainer {msg.trainer_id} restarted while it held the window", outcome
+            )
+        got = windows.acquire(msg.trainer_id, worker, time.monotonic(), self._allowance(msg))
+        self._save()
+        if isinstance(got, str):
+            return Message(Kind.NO_TASK, text=got)
+        window = windows.queue.window(got)
+        reply = {
+            "lease": got.id,
+            "window": window.id,
+            "start": window.start,
+            "stop": window.stop,
+            "attempt": got.attempt,
+            "timeout": windows.queue.timeout,
+        }
+        return Message(Kind.TASK, text=json.dumps(reply))
+
+    def _report_window(self, msg: Message) -> Message:
+        windows, worker = self.windows, f"{msg.sender:x}"
+        assert windows is not None
+        queue = windows.queue
+        if msg.kind == Kind.TASK_RENEW:
+            lease_id = json_fields(msg.text, {"lease": int})["lease"]
+            ok = queue.renew(lease_id, worker, time.monotonic(), self._allowance(msg))
+            return Message(Kind.OK, text="renewed" if ok else "stale")
+        if msg.kind == Kind.TASK_DONE:
+            fields = json_fields(msg.text, {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT})
+            if fields["samples"] < 0:
+                raise Error(f"a window report needs samples >= 0, got {msg.text!r}")
+            counted = queue.finish(fields["lease"], worker, fields["samples"])
+            self._clock(msg).warm = True
+            if not counted:
+                self.log(f"trainer {msg.trainer_id} finished lease {fields['lease']}, which is no longer its")
+            outcome = "counted" if counted else "stale"
+        else:
+            fields = json_fields(msg.text, {"lease": int, "reason": str})
+            lease = next((le for le in queue.pending.values() if le.id == fields["lease"]), None)
+            outcome = queue.fail(fields["lease"], worker, fields["reason"])
+            if lease is not None and outcome != "stale":
+                self._report_failure(lease, fields["reason"], outcome)
+        self._save()  # (before the source is told: a crash between the two commits it again)
+        windows.commit()
+        return Message(Kind.OK, text=outcome)
+
     def _report(self, msg: Message) -> Message:
+        if self.windows is not None:
+            return self._report_window(msg)
         if self.queue is None:
             raise Error("no task was handed out yet: this report is from another job")
         queue, worker = self.queue, f"{msg.sender:x}"
@@ -226,14 +326,16 @@ class Coordinator:
         return Message(Kind.OK, text=outcome)
 
     def _report_failure(self, lease: Lease, reason: str, outcome: str) -> None:
-        assert self.queue is not None
-        failures = self.queue.failures.get(lease.task, 0)
+        book = self.queue if self.queue is not None else self.windows.queue if self.windows else None
+        assert book is not None
+        what_kind = "task" if self.queue is not None else "window"
+        failures = book.failures.get(lease.task, 0)
         what = (
             f"discarded after {failures} failures (max {self.max_failures}): its records are not trained on"
             if outcome == "discarded"
             else f"back to the queue (failure {failures} of at most {self.max_failures})"
         )
-        self.log(f"task {lease.task} (trainer {lease.trainer}) failed: {reason}; {what}")
+        self.log(f"{what_kind} {lease.task} (trainer {lease.trainer}) failed: {reason}; {what}")
 
     def _configure(self, dataset_path: str, config: QueueConfig) -> None:
         dataset = Dataset(dataset_path)
@@ -264,15 +366,29 @@ class Coordinator:
     # -- persistence ------------------------------------------------------------------------
 
     def _save(self) -> None:
-        if self.snapshot is None or self.queue is None:
+        if self.snapshot is None:
             return
-        body = {"dataset": self.dataset_path, "queue": self.queue.to_snapshot()}
+        if self.windows is not None:
+            body = {"stream": self.windows.queue.config.source, "windows": self.windows.to_snapshot()}
+        elif self.queue is not None:
+            body = {"dataset": self.dataset_path, "queue": self.queue.to_snapshot()}
+        else:
+            return
         write_atomic(str(self.snapshot), [json.dumps(body).encode()])
 
     def _resume(self) -> None:
         assert self.snapshot is not None
         try:
             body = json.loads(self.snapshot.read_text())
+            if isinstance(body, dict) and "windows" in body:
+                self.windows = StreamWindows.from_snapshot(open_stream(str(body["stream"])), body["windows"])
+                q = self.windows.queue
+                self.log(
+                    f"resumed from {self.snapshot}: {q.config.source} committed at {q.committed}, "
+                    f"{len(q.windows)} window(s) cut after it ({len(q.pending)} pending: their trainers may "
+                    "still report them)"
+                )
+                return
             self.queue = TaskQueue.from_snapshot(body["queue"], time.monotonic())
             self.dataset_path = str(body["dataset"])
         except (OSError, ValueError, KeyError, TypeError, Error) as e:
@@ -285,6 +401,21 @@ class Coordinator:
         )
 
     def status(self) -> dict[str, Any]:
+        if self.windows is not None:
+            return {
+                "configured": True,
+                "stream": self.windows.status(),
+                "finished": self.windows.queue.drained,
+            }
         if self.queue is None:
             return {"configured": False, "finished": False}
         return {"configured": True, "dataset": self.dataset_path, **self.queue.status()}
+
+
+def _is_stream_request(text: str) -> bool:
+    """Whether a TASK_GET is a stream reader's (it names a stream, not a dataset)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and "stream" in body

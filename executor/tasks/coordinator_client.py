@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 
 from fluidps.errors import Error, PeerLostError, RemoteError, TransportError
+from fluidps.executor.tasks.stream_reader import WindowLease
 from fluidps.executor.tasks.task_reader import TaskLease
 from fluidps.executor.transport.rpc import RpcClient
 from fluidps.executor.transport.settings import RpcSettings
@@ -115,6 +116,52 @@ class CoordinatorSource:
 
     def renew(self, lease: TaskLease) -> None:
         self.client.call(Kind.TASK_RENEW, {"lease": lease.lease})
+
+    def close(self) -> None:
+        self.client.close()
+
+
+_WINDOW_REPLY = {"lease": int, "window": int, "start": int, "stop": int, "attempt": int, "timeout": float}
+
+
+class CoordinatorWindows:
+    """A stream's windows from the job's coordinator. `stop` drains this trainer only:
+    it finishes the window in hand, then asks for no more (the job goes on without it)."""
+
+    def __init__(self, client: CoordinatorClient, request: dict[str, Any]):
+        self.client = client
+        self.request = request
+        self.stopping = False
+
+    def acquire(self) -> WindowLease | str:
+        if self.stopping:
+            return "stopped"
+        reply = self.client.call(Kind.TASK_GET, self.request)
+        if reply.kind == Kind.NO_TASK and reply.text in ("wait", "stopped"):
+            return reply.text
+        if reply.kind != Kind.TASK:
+            raise Error(
+                f"the coordinator answered a window request with {reply.kind_name} {reply.text[:200]!r}"
+            )
+        f = json_fields(reply.text, _WINDOW_REPLY)
+        if not (0 <= f["start"] < f["stop"]) or f["timeout"] <= 0:
+            raise Error(f"the coordinator sent an invalid window {reply.text!r}")
+        return WindowLease(f["lease"], f["window"], f["start"], f["stop"], f["attempt"], f["timeout"])
+
+    def finish(self, lease: WindowLease, records: int, loss: float | None) -> None:
+        self.client.call(Kind.TASK_DONE, {"lease": lease.lease, "samples": records, "loss": loss})
+
+    def fail(self, lease: WindowLease, reason: str) -> None:
+        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": reason})
+
+    def release(self, lease: WindowLease) -> None:
+        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": "its trainer stopped early"})
+
+    def renew(self, lease: WindowLease) -> None:
+        self.client.call(Kind.TASK_RENEW, {"lease": lease.lease})
+
+    def stop(self) -> None:
+        self.stopping = True
 
     def close(self) -> None:
         self.client.close()

@@ -20,7 +20,8 @@ boundary.) When every pass is done it raises EOFException, and training loops
 end, as in Fluid.
 
 `Readers` holds a process's readers, one per READER variable: what the
-runtime gives the create_dataset_reader kernel.
+runtime gives the create_dataset_reader and create_stream_reader kernels (a stream's
+reader is fluidps.executor.tasks.stream_reader's).
 """
 
 from __future__ import annotations
@@ -29,14 +30,17 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from fluidps.errors import DatasetError, EOFException, Error, NoDataYet
 from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
 from fluidps.io.dataset import Dataset
-from fluidps.ops.reader import ReaderSpec
+from fluidps.ops.reader import ReaderSpec, StreamReaderSpec
+
+if TYPE_CHECKING:
+    from fluidps.executor.tasks.stream_reader import StreamReader
 
 WAIT_POLL_S = 0.2
 # Tasks are made small enough that a dataset has many (trainers come and go at task
@@ -259,18 +263,29 @@ class Readers:
         self.wait_for_tasks = True
         self.idle_trainer = idle_trainer
         self._connect = connect
-        self._open: dict[str, TaskReader] = {}
+        self._open: dict[str, TaskReader | StreamReader] = {}
 
-    def open(self, name: str, spec: ReaderSpec) -> TaskReader:
-        """A new reader for the READER variable `name`, closing the one it replaces."""
-        reader = TaskReader(spec, self)
+    def open(self, name: str, spec: ReaderSpec | StreamReaderSpec) -> TaskReader | StreamReader:
+        """A new reader for the READER variable `name` (of a dataset, or of a stream),
+        closing the one it replaces."""
+        from fluidps.executor.tasks.stream_reader import StreamReader
+
+        reader = StreamReader(spec, self) if isinstance(spec, StreamReaderSpec) else TaskReader(spec, self)
         previous = self._open.pop(name, None)
         if previous is not None:
             previous.close()
         self._open[name] = reader
         return reader
 
-    def coordinator_source(self, request: dict[str, Any]) -> TaskSource:
+    def stop_streams(self) -> int:
+        """Drain every stream reader: each finishes the window in hand, then its next read
+        raises EOFException (a job told to stop). Returns how many there were."""
+        streams = [r for r in self._open.values() if isinstance(r.spec, StreamReaderSpec)]
+        for reader in streams:
+            reader.stop()
+        return len(streams)
+
+    def coordinator_source(self, request: dict[str, Any]) -> Any:
         assert self.coordinator is not None
         return self._connect(self.coordinator, request)
 
@@ -292,6 +307,9 @@ class Readers:
             try:
                 reader.close()
             except Error as e:
-                problems.append(f"reader of {reader.spec.dataset}: {e}")
+                what = (
+                    reader.spec.source if isinstance(reader.spec, StreamReaderSpec) else reader.spec.dataset
+                )
+                problems.append(f"reader of {what}: {e}")
         self._open.clear()
         return problems

@@ -82,8 +82,11 @@ class WindowQueue(LeaseBook):
 
     # -- cutting ---------------------------------------------------------------------------
 
-    def offer(self, end: int, now: float, advance: Advance) -> list[Window]:
-        """Cut the windows the records up to offset `end` make now; returns them."""
+    def offer(self, end: int, now: float, advance: Advance, final: bool = False) -> list[Window]:
+        """Cut the windows the records up to offset `end` make now; returns them. `final`:
+        this is the stream's last offer (a reader that does not follow the stream reads
+        what it held when reading began): the records left make a last, shorter window,
+        and the queue stops."""
         cut: list[Window] = []
         while not self.stopping and end > self.next_start:
             if self.waiting_since is None:
@@ -94,7 +97,7 @@ class WindowQueue(LeaseBook):
                 self.config.window_seconds is not None
                 and now - self.waiting_since >= self.config.window_seconds
             )
-            if not (full or late) or stop <= self.next_start:
+            if not (full or late or final) or stop <= self.next_start:
                 break
             window = Window(self.next_window, self.next_start, stop)
             self.next_window += 1
@@ -103,6 +106,8 @@ class WindowQueue(LeaseBook):
             self.next_start = stop
             self.waiting_since = now if end > stop else None
             cut.append(window)
+        if final:
+            self.stop()
         return cut
 
     # -- the protocol ----------------------------------------------------------------------

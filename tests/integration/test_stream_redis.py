@@ -18,6 +18,7 @@ import redis
 from fluidps.endpoints import pick_free_ports
 from fluidps.errors import StreamError
 from fluidps.io import open_stream
+from fluidps.io.stream import read_range
 from fluidps.io.stream_redis import RedisStream, id_to_offset
 
 SERVER = shutil.which("redis-server")
@@ -100,6 +101,21 @@ def test_appended_records_read_back_by_offset(server):
     assert rest.offsets.tolist() == offsets[11:].tolist()
     end = stream.read(stream.end_offset(), 10)
     assert len(end) == 0 and end.next_offset == stream.end_offset()
+
+
+def test_windows_of_sparse_offsets_end_where_their_records_do(server):
+    """advance and read_range over entry ids (offsets with gaps): what a window is cut from."""
+    stream = open_stream(server.url("clicks"))
+    offsets = np.concatenate([stream.append(clicks(4, start)) for start in (0, 4, 8)])
+    end = stream.end_offset()
+    stop, n = stream.advance(int(offsets[0]), 5, end)
+    assert (stop, n) == (offsets[4] + 1, 5)
+    assert stream.advance(int(offsets[10]), 5, end) == (end, 2)  # fewer there
+    assert stream.advance(int(offsets[2]), 5, int(offsets[4])) == (offsets[3] + 1, 2)  # before `end`
+    assert stream.advance(end, 5, end) == (end, 0)
+    window = read_range(stream, int(offsets[2]), int(stop))
+    assert window.offsets.tolist() == offsets[2:5].tolist() and window.next_offset == stop
+    np.testing.assert_array_equal(window.fields["ids"], clicks(3, 2)["ids"])
 
 
 def test_entries_from_other_producers_are_read_and_bad_ones_set_aside(server):

@@ -18,7 +18,7 @@ from fluidps.executor.tasks.coordinator import Coordinator
 from fluidps.executor.transport.rpc import RpcClient
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
-from fluidps.io import Dataset
+from fluidps.io import Dataset, StreamLog
 
 SETTINGS = RpcSettings(heartbeat_interval=0.1, peer_timeout=20.0, request_timeout=30.0, secret=SECRET)
 
@@ -166,5 +166,118 @@ def test_a_restarted_coordinator_resumes_from_its_snapshot(tmp_path, dataset):
         assert again == held
         report = {"lease": held["lease"], "samples": 10, "loss": None}
         assert client.call(Message(Kind.TASK_DONE, text=json.dumps(report))).text == "counted"
+    finally:
+        second.stop()
+
+
+# -- a streaming job: windows of a stream -----------------------------------------------------
+
+
+def window_ask(log_dir, **changes) -> str:
+    fields = {"stream": f"log:{log_dir}", "group": "trainers", "window_records": 30, "window_seconds": None,
+              "follow": False}  # fmt: skip
+    return json.dumps(fields | changes)
+
+
+def appended(tmp_path, n: int) -> StreamLog:
+    log = StreamLog(tmp_path / "log")
+    log.append({"x": np.arange(n, dtype=np.float32)})
+    return log
+
+
+def report(client: RpcClient, window: dict, kind: int = Kind.TASK_DONE) -> str:
+    body = (
+        {"lease": window["lease"], "samples": window["stop"] - window["start"], "loss": None}
+        if kind == Kind.TASK_DONE
+        else {"lease": window["lease"], "reason": "its step failed"}
+    )
+    return client.call(Message(kind, text=json.dumps(body))).text
+
+
+def test_windows_are_handed_out_and_the_stream_commits_them_in_order(running, tmp_path):
+    log = appended(tmp_path, 100)
+    one, two = running.client(0, 0xA), running.client(1, 0xB)
+    first = json.loads(one.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+    second = json.loads(two.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+    assert [(w["window"], w["start"], w["stop"]) for w in (first, second)] == [(0, 0, 30), (1, 30, 60)]
+    assert report(two, second) == "counted"
+    assert log.committed("trainers") == 0  # window 1 done, but window 0 is not: nothing commits
+    assert report(one, first) == "counted"
+    assert log.committed("trainers") == 60
+    rest = [json.loads(one.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text) for _ in range(2)]
+    assert [(w["start"], w["stop"]) for w in rest] == [(60, 90), (60, 90)]  # (it holds one: the same again)
+    report(one, rest[0])
+    last = json.loads(one.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+    assert (last["start"], last["stop"]) == (90, 100)  # what the stream held, the last window short
+    report(one, last)
+    stopped = one.call(Message(Kind.TASK_GET, text=window_ask(log.path)))
+    assert (stopped.kind, stopped.text) == (Kind.NO_TASK, "stopped")
+    status = json.loads(one.call(Message(Kind.STATUS)).text)
+    assert status["finished"] and status["stream"]["committed"] == 100 == log.committed("trainers")
+    assert status["stream"]["records"] == 100
+
+
+def test_a_failed_window_goes_again_first_and_the_offset_waits_for_it(running, tmp_path):
+    log = appended(tmp_path, 90)
+    one, two = running.client(0, 0xA), running.client(1, 0xB)
+    first = json.loads(one.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+    second = json.loads(two.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+    assert report(one, first, Kind.TASK_FAILED) == "requeued"
+    assert report(two, second) == "counted" and log.committed("trainers") == 0
+    again = json.loads(two.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+    assert (again["window"], again["start"], again["attempt"]) == (0, 0, 1)  # before window 2
+    assert report(one, first) == "stale"  # the old lease cannot finish it now
+    assert report(two, again) == "counted" and log.committed("trainers") == 60
+
+
+def test_a_drained_stream_job_finishes_its_windows_then_says_stopped(running, tmp_path):
+    log = appended(tmp_path, 200)
+    client = running.client(0, 0xA)
+    held = json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path, follow=True))).text)
+    running.coordinator.drain()  # (what SIGTERM does to a streaming job's coordinator)
+    assert report(client, held) == "counted"
+    # The windows cut before the drain (all 200 records' whole windows) are still handed out.
+    windows = []
+    for _ in range(10):
+        reply = client.call(Message(Kind.TASK_GET, text=window_ask(log.path, follow=True)))
+        if reply.kind != Kind.TASK:
+            break
+        windows.append(json.loads(reply.text))
+        report(client, windows[-1])
+    assert reply.text == "stopped" and [w["window"] for w in windows] == [1, 2, 3, 4, 5]
+    assert log.committed("trainers") == 180  # (20 records in no whole window: the next run's)
+
+
+def test_a_stream_job_refuses_other_readings(running, tmp_path, dataset):
+    log = appended(tmp_path, 40)
+    client = running.client(0, 0xA)
+    client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))
+    with pytest.raises(RemoteError, match="every trainer must read the same stream the same way"):
+        client.call(Message(Kind.TASK_GET, text=window_ask(log.path, window_records=10)))
+    with pytest.raises(RemoteError, match="asks for a dataset's task, but this job reads a stream"):
+        client.call(Message(Kind.TASK_GET, text=ask(dataset)))
+    with pytest.raises(RemoteError, match="window_records must be an integer >= 1"):
+        running.client(1, 0xB).call(Message(Kind.TASK_GET, text=window_ask(log.path, window_records=0)))
+
+
+def test_a_restarted_stream_coordinator_resumes_and_commits_again(tmp_path):
+    log = appended(tmp_path, 90)
+    snapshot = tmp_path / "coordinator.json"
+    first = Running(snapshot)
+    try:
+        client = first.client(0, 0xA)
+        done = json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+        report(client, done)
+        held = json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+    finally:
+        first.stop()
+    log.commit("trainers", 0)  # as if killed after its snapshot, before it told the stream
+    second = Running(snapshot)
+    try:
+        assert log.committed("trainers") == 30  # told again on resuming
+        client = second.client(0, 0xA)
+        again = json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+        assert again == held  # the trainer still holds its window
+        assert report(client, again) == "counted" and log.committed("trainers") == 60
     finally:
         second.stop()

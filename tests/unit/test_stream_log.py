@@ -320,3 +320,23 @@ def test_the_compiled_crc_of_each_record_is_zlibs():
     for length in (0, 1, 7, 8, 9, 16, 23, 37):
         want = [zlib.crc32(row[:length].tobytes()) for row in rows]
         assert crc32_rows(rows, length).tolist() == want, length
+
+
+def test_windows_end_where_their_records_do(tmp_path):
+    """advance and read_range: where a window of a count of records ends, and its records."""
+    from fluidps.io.stream import read_range
+
+    log = StreamLog(
+        tmp_path / "log",
+        segment_bytes=HEADER.size + 10 * RECORD,
+        retain_bytes=3 * (HEADER.size + 10 * RECORD),
+    )
+    log.append(clicks(25))
+    assert log.advance(3, 10, 25) == (13, 10) and log.advance(20, 10, 25) == (25, 5)
+    assert log.advance(3, 10, 8) == (8, 5) and log.advance(25, 10, 25) == (25, 0)
+    window = read_range(log, 8, 23)  # across two segments
+    assert window.offsets.tolist() == list(range(8, 23)) and window.next_offset == 23
+    log.append(clicks(20, 25))  # retention retires the first segments
+    first = log.start_offset()
+    assert first > 5 and log.advance(5, 10, 45) == (first + 10, 10)  # from the first one held
+    assert read_range(log, first - 5, first + 5).offsets.tolist() == list(range(first, first + 5))

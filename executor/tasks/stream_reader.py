@@ -1,0 +1,256 @@
+"""A trainer's stream reader: mini-batches from windows of a stream, window after window.
+
+The `read` op asks it for the next batch, as it asks a dataset's TaskReader. It holds one
+window at a time: the batches of the window's records in order, then (once the step
+using the last batch has run, that is, at the next read) it reports the window done,
+and the window's records count as applied: the stream's committed offset for the
+reader's consumer group moves past the windows done in order. Windows come from the
+job's coordinator, or, for a plain Executor with no coordinator, from StreamWindows in
+this process over the same stream.
+
+When no window is ready (the stream has no new records) the reader waits, as a
+TaskReader does for a task; when the windows are stopped (the job drains, or a reader
+that does not follow the stream read what it held) the read raises EOFException.
+
+Records that fail their checks (a bad CRC, wrong fields) are never trained on: the
+reader skips them and says so, once per window.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from fluidps.errors import EOFException, NoDataYet, StreamError
+from fluidps.executor.tasks.stream_windows import StreamWindows
+from fluidps.executor.tasks.window_queue import WindowConfig
+from fluidps.io.stream import Records, open_stream, read_range
+from fluidps.ops.reader import StreamReaderSpec
+
+if TYPE_CHECKING:
+    from fluidps.executor.tasks.task_reader import Readers
+
+WAIT_POLL_S = 0.05  # a stream's records come without end: look again soon
+
+
+@dataclass(frozen=True)
+class WindowLease:
+    lease: int
+    window: int
+    start: int
+    stop: int
+    attempt: int
+    timeout: float
+
+
+class WindowSource(Protocol):
+    """Where a stream reader's windows come from: StreamWindows in this process or the coordinator."""
+
+    def acquire(self) -> WindowLease | str: ...  # a lease, "wait" or "stopped"
+
+    def finish(self, lease: WindowLease, records: int, loss: float | None) -> None: ...
+
+    def fail(self, lease: WindowLease, reason: str) -> None: ...
+
+    def release(self, lease: WindowLease) -> None: ...
+
+    def renew(self, lease: WindowLease) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def window_config(spec: StreamReaderSpec) -> WindowConfig:
+    return WindowConfig(spec.source, spec.group, spec.window_records, spec.window_seconds)
+
+
+class StreamReader:
+    def __init__(self, spec: StreamReaderSpec, readers: Readers):
+        self.spec = spec
+        self.config = window_config(spec)  # (checks the group and the window's size)
+        self._readers = readers
+        self.stream = open_stream(spec.source)
+        known = self.stream.fields
+        missing = [f for f in spec.fields if known is not None and f not in known]
+        if missing:
+            raise StreamError(
+                f"stream {spec.source} has no field {', '.join(map(repr, missing))} (it has {', '.join(known)})"
+            )
+        self._source: WindowSource | None = None
+        self._lease: WindowLease | None = None
+        self._records: Records | None = None
+        self._cursor = 0
+        self._loss_sum, self._loss_samples = 0.0, 0
+        self._batch = 0
+        self._renewed = 0.0
+        self.windows_done = 0
+        self.records_read = 0
+        self.bad_records = 0
+        self.exhausted = False
+        self._stopping = False
+
+    @property
+    def last_batch(self) -> int:
+        return self._batch
+
+    @property
+    def reading(self) -> bool:
+        return self._source is not None and not self.exhausted
+
+    # -- what the read op calls ---------------------------------------------------------
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        source = self._source or self._bind()
+        while True:
+            left = len(self._records) - self._cursor if self._records is not None else 0
+            if left > 0:
+                return self._take(min(left, self.spec.batch_size), source)
+            if self._lease is not None:
+                self._finish(source)
+            got = source.acquire()
+            if got == "stopped":
+                self.exhausted = True
+                raise EOFException(
+                    f"the reader of stream {self.spec.source} stopped after {self.windows_done} window(s), "
+                    f"{self.records_read:,} records"
+                )
+            if got == "wait":
+                if not self._readers.wait_for_tasks:
+                    raise NoDataYet(f"no window of stream {self.spec.source} is ready")
+                if not self._readers.idle_trainer():
+                    time.sleep(WAIT_POLL_S)
+                continue
+            self._lease, self._cursor, self._renewed = got, 0, time.monotonic()
+            self._loss_sum, self._loss_samples = 0.0, 0
+            self._records = self._read_window(got)
+
+    def observe(self, fetched: list[Any]) -> None:
+        """After a step: its first scalar floating fetch counts as this batch's loss."""
+        for value in fetched:
+            if isinstance(value, np.ndarray) and value.size == 1 and np.issubdtype(value.dtype, np.floating):
+                loss = float(value.reshape(-1)[0])
+                if math.isfinite(loss):
+                    self._loss_sum += loss * self._batch
+                    self._loss_samples += self._batch
+                return
+
+    def fail_current(self, reason: str) -> None:
+        """The step using this window's batch failed: the window goes back (or is discarded)."""
+        if self._lease is not None and self._source is not None:
+            lease, self._lease, self._records = self._lease, None, None
+            self._source.fail(lease, reason.splitlines()[0][:500] if reason else "failed")
+
+    def stop(self) -> None:
+        """Drain: finish the window in hand, then end (the next read past it raises EOFException)."""
+        self._stopping = True
+        if self._source is not None:
+            self._source.stop()
+
+    def close(self) -> None:
+        """Report a window whose every batch was used; give back one left half done."""
+        if self._lease is not None and self._source is not None:
+            lease, self._lease = self._lease, None
+            if self._records is not None and self._cursor >= len(self._records):
+                self._source.finish(lease, self._cursor, self._mean_loss())
+            else:
+                self._source.release(lease)
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+        self.stream.close()
+
+    # -- inside --------------------------------------------------------------------------
+
+    def _read_window(self, lease: WindowLease) -> Records:
+        records = read_range(self.stream, lease.start, lease.stop)
+        if records.bad:
+            self.bad_records += len(records.bad)
+            first = records.bad[0]
+            print(
+                f"stream {self.spec.source}: window {lease.window} ({lease.start}..{lease.stop - 1}): "
+                f"{len(records.bad)} bad record(s) skipped, the first at offset {first.offset}: {first.reason}",
+                file=sys.stderr,
+                flush=True,
+            )
+        fields = records.fields
+        if len(records) and any(f not in fields for f in self.spec.fields):
+            raise StreamError(f"stream {self.spec.source} has no field for {list(self.spec.fields)}")
+        return records
+
+    def _take(self, count: int, source: WindowSource) -> dict[str, np.ndarray]:
+        records, start = self._records, self._cursor
+        assert records is not None and self._lease is not None
+        self._cursor += count
+        self._batch = count
+        self.records_read += count
+        if time.monotonic() - self._renewed > self._lease.timeout / 3:
+            source.renew(self._lease)  # a long window: keep the lease
+            self._renewed = time.monotonic()
+        return {field: records.fields[field][start : start + count] for field in self.spec.fields}
+
+    def _finish(self, source: WindowSource) -> None:
+        lease, self._lease = self._lease, None
+        assert lease is not None
+        source.finish(lease, self._cursor, self._mean_loss())
+        self._records = None
+        self.windows_done += 1
+
+    def _mean_loss(self) -> float | None:
+        return self._loss_sum / self._loss_samples if self._loss_samples else None
+
+    def _bind(self) -> WindowSource:
+        if self._readers.coordinator is None:
+            self._source = LocalWindows(StreamWindows.open(self.stream, self.config, self.spec.follow))
+        else:
+            request = {
+                "stream": self.spec.source,
+                "group": self.spec.group,
+                "window_records": self.spec.window_records,
+                "window_seconds": self.spec.window_seconds,
+                "follow": self.spec.follow,
+            }
+            self._source = self._readers.coordinator_source(request)
+        if self._stopping:
+            self._source.stop()
+        return self._source
+
+
+class LocalWindows:
+    """Windows from StreamWindows in this process (a plain Executor, no coordinator):
+    a window done commits the stream's offset at once."""
+
+    def __init__(self, windows: StreamWindows):
+        self.windows = windows
+
+    def acquire(self) -> WindowLease | str:
+        got = self.windows.acquire(0, "local", time.monotonic(), math.inf)
+        if isinstance(got, str):
+            return got
+        window = self.windows.queue.window(got)
+        return WindowLease(got.id, window.id, window.start, window.stop, got.attempt, math.inf)
+
+    def finish(self, lease: WindowLease, records: int, loss: float | None) -> None:
+        self.windows.queue.finish(lease.lease, "local", records)
+        self.windows.commit()
+
+    def fail(self, lease: WindowLease, reason: str) -> None:
+        self.windows.queue.fail(lease.lease, "local", reason)
+        self.windows.commit()  # (a discarded window at the front moves the offset too)
+
+    def release(self, lease: WindowLease) -> None:
+        self.windows.queue.release(lease.lease, "local")
+
+    def renew(self, lease: WindowLease) -> None:
+        pass  # nothing expires in this process
+
+    def stop(self) -> None:
+        self.windows.stop()
+
+    def close(self) -> None:
+        pass  # (the stream is the reader's)
