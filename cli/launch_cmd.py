@@ -60,6 +60,13 @@ class _OneLineErrors(click.Command):
     help="A dataset directory (fluidps data split) the trainers read through a coordinator; "
     "makes the job fault tolerant.",
 )
+@click.option(
+    "--stream",
+    metavar="SOURCE",
+    help="A stream the trainers read through a coordinator, in windows (log:DIR or "
+    "redis://HOST:PORT/STREAM; fluidps.layers.stream_reader): a fault-tolerant job that runs "
+    "until SIGTERM drains it. The --dataset options below apply to it too.",
+)
 @click.option("--task-timeout", type=click.FloatRange(min=0.1), default=DEFAULT_TASK_TIMEOUT, show_default=True,
               help="With --dataset: seconds before an unrenewed task goes to another trainer.")  # fmt: skip
 @click.option("--max-task-failures", type=click.IntRange(min=0), default=DEFAULT_MAX_FAILURES, show_default=True,
@@ -93,6 +100,7 @@ def launch(
     log_dir: str | None,
     grace: float,
     dataset: str | None,
+    stream: str | None,
     task_timeout: float,
     max_task_failures: int,
     max_restarts: int,
@@ -120,6 +128,11 @@ def launch(
     pserver from its newest checkpoint, the coordinator from its snapshot, a trainer
     rejoining while its task goes to another. The job ends when every pass is done.
 
+    With --stream, the coordinator hands out windows of the stream instead
+    (FLUIDPS_STREAM), and the job runs until SIGTERM: the trainers finish the
+    windows in hand, their readers end (EOFException), the script goes on past its
+    loop (an export, a save) and exits; then the launcher exits 0.
+
     With --stages P, process k ("[stage.k] ") is pipeline stage k (FLUIDPS_STAGE,
     FLUIDPS_STAGE_ENDPOINTS): fluidps.transpile_for_role gives it its stage's programs,
     and it exchanges activations and gradients with the other stages directly. The job
@@ -128,8 +141,8 @@ def launch(
     its own ("[pserver.k.j] "), synchronized as a sync job.
     """
     if stages is not None:
-        if dataset is not None:
-            fail("--stages runs a pipeline on fed batches: give no --dataset")
+        if dataset is not None or stream is not None:
+            fail("--stages runs a pipeline on fed batches: give no --dataset or --stream")
         if (pservers is None) != (trainers is None):
             fail("with --stages, give both --trainers (replicas) and --pservers (per stage), or neither")
         pservers, trainers = pservers or 0, trainers or 1
@@ -137,11 +150,14 @@ def launch(
         fail("give --pservers and --trainers (a parameter-server job), or --stages (a pipeline)")
     try:
         common = (script, script_args, pservers, trainers, mode, host, start_port, log_dir, grace)
-        if dataset is None:
+        if dataset is not None and stream is not None:
+            fail("a job reads --dataset or --stream, not both")
+        if dataset is None and stream is None:
             status = Launcher(*common, bind_cores=bind_cores, stages=stages or 0).run()
         else:
             job = DatasetJob(
                 dataset,
+                stream=stream,
                 task_timeout=task_timeout,
                 max_task_failures=max_task_failures,
                 max_restarts=max_restarts,

@@ -138,8 +138,9 @@ def serve(
     run: a pserver's or a trainer's. With --role pserver it runs one pserver's
     startup and main programs, as written by `fluidps transpile`, until every
     trainer is done. With --role coordinator it hands out the tasks of the
-    dataset the trainers read (`fluidps.layers.dataset_reader`), keeping its
-    state in --snapshot. Each prints one line "NAME ready on ADDRESS" once it
+    dataset the trainers read (`fluidps.layers.dataset_reader`), or the windows of
+    their stream (`fluidps.layers.stream_reader`: SIGTERM drains it, a second one
+    stops it), keeping its state in --snapshot. Each prints one line "NAME ready on ADDRESS" once it
     listens.
     """
     stacks.dump_on_sigusr1()  # kill -USR1 shows where it waits
@@ -162,7 +163,10 @@ def serve(
         fail(str(e))
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        server.stop()
+        if isinstance(server, Coordinator):
+            server.sigterm()  # (a streaming job's drains first)
+        else:
+            server.stop()
 
     signal.signal(signal.SIGTERM, stop)
     if parent_pid is not None:

@@ -11,6 +11,7 @@ manifests runs unchanged:
   POD_IP, PADDLE_PORT           a pserver's own address (its endpoint is POD_IP:PADDLE_PORT)
   FLUIDPS_MODE                  sync (default), async or ssp
   FLUIDPS_DATASET               the dataset the trainers read, in a job with a coordinator
+  FLUIDPS_STREAM                or the stream they read (fluidps.io.open_stream's spec)
   FLUIDPS_COORDINATOR           the coordinator's address, where readers get their tasks
   FLUIDPS_STAGE                 a pipeline stage's process (fluidps launch --stages): its stage,
                                 0 .. the number of stages - 1; PADDLE_PSERVERS_IP_PORT_LIST may
@@ -90,6 +91,7 @@ CONTRACT_VARS = (
     "PADDLE_PORT",
     "FLUIDPS_MODE",
     "FLUIDPS_DATASET",
+    "FLUIDPS_STREAM",
     "FLUIDPS_COORDINATOR",
     "FLUIDPS_STAGE",
     "FLUIDPS_STAGE_ENDPOINTS",
@@ -124,6 +126,7 @@ class RoleInfo:
     # A pipeline stage's process (FLUIDPS_STAGE): its stage, and every stage's endpoint.
     stage: int | None = None
     stage_endpoints: tuple[str, ...] = ()
+    stream: str | None = None  # FLUIDPS_STREAM: what a streaming job reads
 
     @property
     def is_pserver(self) -> bool:
@@ -194,9 +197,12 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
         raise BuilderError(f"FLUIDPS_MODE={mode!r} is invalid: it should hold one of {', '.join(MODES)}")
 
     dataset = env.get("FLUIDPS_DATASET", "").strip() or None
+    stream = env.get("FLUIDPS_STREAM", "").strip() or None
     if role == "TRAINER":
         trainer_id = _int(env, "PADDLE_TRAINER_ID", id_what, 0, trainers - 1)
-        return RoleInfo(role, trainer_id, trainers, endpoints, None, mode, dataset, stage, stage_endpoints)
+        return RoleInfo(
+            role, trainer_id, trainers, endpoints, None, mode, dataset, stage, stage_endpoints, stream
+        )
 
     # Paddle leaves PADDLE_TRAINER_ID unset on pservers; a value that is there must still be sane.
     has_id = env.get("PADDLE_TRAINER_ID", "").strip() != ""
@@ -204,7 +210,9 @@ def role_from_env(environ: Mapping[str, str] | None = None) -> RoleInfo:
     pod_ip = _get(env, "POD_IP", "this pserver's host or IP address")
     port = _int(env, "PADDLE_PORT", "this pserver's TCP port, an integer from 1 to 65535", 1, 65535)
     current = format_endpoint(pod_ip, port)
-    return RoleInfo(role, trainer_id, trainers, endpoints, current, mode, dataset, stage, stage_endpoints)
+    return RoleInfo(
+        role, trainer_id, trainers, endpoints, current, mode, dataset, stage, stage_endpoints, stream
+    )
 
 
 def _stage(env: Mapping[str, str], role: str) -> tuple[int | None, tuple[str, ...]]:

@@ -191,7 +191,9 @@ class Runtime:
 
         trainer_id = self._trainer.trainer_id if self._trainer is not None else 0
         client = CoordinatorClient(self.context_for(address), address, self.settings, trainer_id, self.sender)
-        return CoordinatorWindows(client, request) if "stream" in request else CoordinatorSource(client, request)
+        return (
+            CoordinatorWindows(client, request) if "stream" in request else CoordinatorSource(client, request)
+        )
 
     # -- ending --------------------------------------------------------------------------------
 

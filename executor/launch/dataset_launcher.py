@@ -1,13 +1,19 @@
-"""`fluidps launch --dataset`: a job that survives any of its processes dying.
+"""`fluidps launch --dataset` / `--stream`: a job that survives any of its processes dying.
 
 A coordinator process hands the trainers the dataset's tasks (FLUIDPS_COORDINATOR,
-FLUIDPS_DATASET), the pservers evict silent trainers and checkpoint into a
+FLUIDPS_DATASET), or the windows of a stream (FLUIDPS_STREAM), the pservers evict silent trainers and checkpoint into a
 directory (FLUIDPS_ELASTIC, FLUIDPS_CHECKPOINT_DIR), and a process that dies is
 started again, up to `max_restarts` times each within `restart_window` seconds, after a
 backoff (fluidps.executor.launch.restarts): a pserver restores its newest
 checkpoint, the coordinator its snapshot, a trainer rejoins while its task goes to
 another. The job is done when the coordinator has finished every pass and the
 trainers have exited; a progress bar shows the pass, tasks, samples/s and loss.
+
+A streaming job has no last pass: it runs until SIGTERM, which drains it. The launcher
+passes it to the coordinator, which cuts no more windows; each trainer finishes the
+window in hand, its reader ends (EOFException), the script goes on to what follows its
+loop (an export, a save) and exits 0; then the pservers stop (a last checkpoint) and the
+launcher exits 0. A second SIGTERM stops everything at once.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fluidps.endpoints import format_endpoint
-from fluidps.errors import BuilderError, DatasetError
+from fluidps.errors import BuilderError, DatasetError, StreamError
 from fluidps.executor import peer_exit
 from fluidps.executor.env import CONTRACT_VARS, SECRET_ENV
 from fluidps.executor.launch.launcher import POLL_S, Child, Launcher, describe_exit, exit_status
@@ -33,13 +39,15 @@ from fluidps.executor.launch.restarts import RestartBudget
 from fluidps.executor.tasks.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
 from fluidps.executor.transport.rpc import RpcSettings
 from fluidps.io.dataset import Dataset
+from fluidps.io.stream import open_stream
 
 
 @dataclass(frozen=True)
 class DatasetJob:
-    """What makes a launched job read a dataset through a coordinator, and survive failures."""
+    """What makes a launched job read a dataset (or a stream: `stream`, open_stream's
+    spec, instead) through a coordinator, and survive failures."""
 
-    dataset: str
+    dataset: str | None
     task_timeout: float = DEFAULT_TASK_TIMEOUT  # an unrenewed task goes to another trainer after this
     max_task_failures: int = DEFAULT_MAX_FAILURES
     max_restarts: int = 3  # per process within restart_window
@@ -48,8 +56,11 @@ class DatasetJob:
     checkpoint_every_steps: int = 0
     checkpoint_every_seconds: float = 10.0
     progress: bool | None = None  # None: a progress bar when stderr is a terminal
+    stream: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.dataset is None) == (self.stream is None):
+            raise BuilderError("a coordinated job reads a dataset or a stream: give exactly one")
         if self.task_timeout <= 0 or self.max_task_failures < 0 or self.max_restarts < 0:
             raise BuilderError("task_timeout must be > 0, max_task_failures and max_restarts >= 0")
         if self.restart_window <= 0:
@@ -57,9 +68,16 @@ class DatasetJob:
         if self.checkpoint_every_steps < 0 or self.checkpoint_every_seconds < 0:
             raise BuilderError("checkpoint intervals must be >= 0")
         try:
-            Dataset(self.dataset)
-        except DatasetError as e:
-            raise BuilderError(f"--dataset: {e}") from None
+            if self.dataset is not None:
+                Dataset(self.dataset)
+            else:
+                open_stream(self.stream).close()
+        except (DatasetError, StreamError) as e:
+            raise BuilderError(f"--{'dataset' if self.dataset else 'stream'}: {e}") from None
+
+    @property
+    def source(self) -> str:
+        return self.dataset if self.dataset is not None else str(self.stream)
 
 
 class DatasetLauncher(Launcher):
@@ -75,9 +93,7 @@ class DatasetLauncher(Launcher):
         self._watch: CoordinatorWatch | None = None
 
     def _describe(self) -> str:
-        return (
-            f"{super()._describe()}, reading {self.dataset_job.dataset} (coordinator at {self.coordinator})"
-        )
+        return f"{super()._describe()}, reading {self.dataset_job.source} (coordinator at {self.coordinator})"
 
     def _finish(self) -> None:
         if self._watch is not None:
@@ -90,8 +106,13 @@ class DatasetLauncher(Launcher):
         self.state_dir = state
         self.coordinator = f"tcp://{format_endpoint(self.host, coordinator_port)}"
         self.checkpoint_dir = Path(job.checkpoint_dir) if job.checkpoint_dir else state / "checkpoints"
+        source = (
+            {"FLUIDPS_DATASET": str(Path(job.dataset).resolve())}
+            if job.dataset is not None
+            else {"FLUIDPS_STREAM": str(job.stream)}
+        )
         return {
-            "FLUIDPS_DATASET": str(Path(job.dataset).resolve()),
+            **source,
             "FLUIDPS_COORDINATOR": self.coordinator,
             "FLUIDPS_ELASTIC": "1",
             peer_exit.ENV: str(peer_exit.PEER_FAILURE_STATUS),  # a peer's failure is not theirs
@@ -129,9 +150,13 @@ class DatasetLauncher(Launcher):
         due: dict[str, tuple[float, Child]] = {}  # restarts waiting out their backoff
         finished_at: float | None = None  # when the coordinator said every pass is done
         trainers_done_at: float | None = None
+        draining = False
         next_poll = 0.0
         try:
             while True:
+                if self._signal == signal.SIGTERM and job.stream is not None and not draining:
+                    draining, self._signal = True, None  # (a second SIGTERM stops the job)
+                    self._drain()
                 if self._signal is not None:
                     self._say(f"got {signal.Signals(self._signal).name}; stopping the job")
                     return 128 + self._signal
@@ -185,6 +210,8 @@ class DatasetLauncher(Launcher):
                             )
                         bar.update(watch.poll() or watch.last)
                         self._stop([c for c in self.children if c.role != "trainer"])
+                        if job.stream is not None:
+                            return self._stream_job_status(watch)
                         return self._dataset_job_status(watch)
                 elif finished_at is not None and now - finished_at >= self.grace:
                     hung = [c for c in trainers if not self._reap(c)]
@@ -196,6 +223,29 @@ class DatasetLauncher(Launcher):
                 time.sleep(POLL_S)
         finally:
             bar.close()
+
+    def _drain(self) -> None:
+        """SIGTERM to a streaming job: the coordinator drains (its own SIGTERM handling)."""
+        coordinators = [c for c in self.children if c.role == "coordinator" and c.returncode is None]
+        for c in coordinators:
+            c.proc.send_signal(signal.SIGTERM)
+        self._say(
+            "got SIGTERM; draining: the trainers finish the windows in hand, then exit (SIGTERM again stops "
+            "the job at once)"
+        )
+
+    def _stream_job_status(self, watch: CoordinatorWatch) -> int:
+        stream = (watch.last or {}).get("stream") or {}
+        if not (watch.last or {}).get("finished"):
+            self._say("the trainers exited before the stream was drained")
+            return 1
+        discarded = stream.get("discarded_windows", 0)
+        self._say(
+            f"drained {self.dataset_job.stream}: {stream.get('records', 0):,} records applied, committed up to "
+            f"offset {stream.get('committed')}"
+            + (f", {discarded} window(s) discarded after failing" if discarded else "")
+        )
+        return 0
 
     def _recovery(self, child: Child, budget: RestartBudget, delay: float, now: float) -> str:
         job = self.dataset_job

@@ -62,6 +62,9 @@ class ProgressBar:
     def update(self, status: dict[str, Any] | None) -> None:
         if not status or not status.get("configured"):
             return
+        if "stream" in status:
+            self._update_stream(status["stream"])
+            return
         current = int(status["pass"])
         if current != self._pass:
             if self._bar is not None:  # the pass it showed is over
@@ -93,6 +96,28 @@ class ProgressBar:
             postfix["discarded"] = str(len(status["discarded"]))
         bar.set_postfix(postfix, refresh=False)
         bar.refresh()
+
+    def _update_stream(self, stream: dict[str, Any]) -> None:
+        """A stream has no passes: records applied, their rate, and how far behind the stream's end."""
+        if self._bar is None:
+            self._bar = tqdm(
+                desc=f"stream {stream['source']}",
+                unit="record",
+                file=self.file,
+                disable=False if self.enabled else None,
+                leave=True,
+                dynamic_ncols=True,
+            )
+        records = int(stream["records"])
+        self._bar.update(max(records - self._bar.n, 0))
+        self._bar.set_postfix(
+            {
+                "committed": stream["committed"],
+                "behind": max(int(stream["end"]) - int(stream["committed"]), 0),
+            },
+            refresh=False,
+        )
+        self._bar.refresh()
 
     def close(self) -> None:
         if self._bar is not None:

@@ -85,6 +85,7 @@ class Coordinator:
         self.windows: StreamWindows | None = None  # a streaming job's, instead of a queue
         self._context = zmq.Context()
         self._running = True
+        self._sigterm = False  # set by a signal handler, acted on by the loop
         self._started = time.monotonic()
         # Per trainer process, its silences: the least recently heard first.
         self._clocks: OrderedDict[str, SilenceClock] = OrderedDict()
@@ -107,11 +108,25 @@ class Coordinator:
                 for request in self.server.receive(0.2):
                     self._handle(request)
                 self._expire()
+                if self._sigterm:
+                    self._sigterm = False
+                    self._terminated()
         finally:
             self.close()
 
     def stop(self) -> None:
         self._running = False
+
+    def sigterm(self) -> None:
+        """What SIGTERM asks (safe in a signal handler; the loop acts on it): a streaming
+        job's coordinator drains, and stops at a second SIGTERM; any other stops."""
+        self._sigterm = True
+
+    def _terminated(self) -> None:
+        if self.windows is not None and not self.windows.queue.stopping:
+            self.drain()
+        else:
+            self.stop()
 
     def drain(self) -> None:
         """A streaming job told to stop: cut no more windows; those cut are still handed

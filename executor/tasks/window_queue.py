@@ -29,6 +29,9 @@ from fluidps.io.stream import check_group
 
 SNAPSHOT_VERSION = 1
 DISCARDED_KEPT = 64  # the latest discarded windows whose reasons the status keeps
+# Windows cut ahead of the trainers at most: a backlog is cut as they take windows, so a
+# drain leaves it in the stream, and the snapshot written at every report stays small.
+CUT_AHEAD = 16
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class WindowQueue(LeaseBook):
         what it held when reading began): the records left make a last, shorter window,
         and the queue stops."""
         cut: list[Window] = []
-        while not self.stopping and end > self.next_start:
+        while not self.stopping and end > self.next_start and (final or len(self.todo) < CUT_AHEAD):
             if self.waiting_since is None:
                 self.waiting_since = now
             stop, records = advance(self.next_start, self.config.window_records)
@@ -107,7 +110,7 @@ class WindowQueue(LeaseBook):
             self.waiting_since = now if end > stop else None
             cut.append(window)
         if final:
-            self.stop()
+            self.stopping = True  # (what was cut is all there is: nothing is taken back)
         return cut
 
     # -- the protocol ----------------------------------------------------------------------
@@ -137,8 +140,19 @@ class WindowQueue(LeaseBook):
         return True
 
     def stop(self) -> None:
-        """Drain: cut no more windows; those cut are still handed out and finished."""
+        """Drain: cut no more windows, and take back the windows at the end that nobody
+        holds (their records stay in the stream for the next run); the windows in hand,
+        and any the committed offset waits for, are still handed out and finished."""
         self.stopping = True
+        while self.windows:
+            last = max(self.windows.values(), key=lambda w: w.start)
+            if last.id not in self.todo:
+                break
+            self.todo.remove(last.id)
+            del self.windows[last.id]
+            self.failures.pop(last.id, None)
+            self.next_start = last.start
+        self.waiting_since = None
 
     @property
     def drained(self) -> bool:

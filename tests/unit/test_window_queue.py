@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fluidps.errors import Error
-from fluidps.executor.tasks.window_queue import DISCARDED_KEPT, Window, WindowConfig, WindowQueue
+from fluidps.executor.tasks.window_queue import CUT_AHEAD, DISCARDED_KEPT, Window, WindowConfig, WindowQueue
 
 
 def dense(end: int):
@@ -79,17 +79,26 @@ def test_failed_expired_and_restarted_windows_go_back_and_a_late_report_is_not_c
     assert q.records == 10
 
 
-def test_stop_drains_the_windows_already_cut():
+def test_stop_finishes_the_windows_in_hand_and_gives_the_rest_back_to_the_stream():
     q = queue(10)
-    q.offer(20, 0.0, dense(20))
+    q.offer(60, 0.0, dense(60))
+    first, second, third = (q.acquire(k, f"w{k}", 0.0) for k in range(3))
+    assert q.fail(second.id, "w1", "its step failed") == "requeued"  # the offset waits for it
+    q.stop()  # windows 3..5, which nobody holds, go back; window 1 is still owed
+    assert q.next_start == 30 and q.offer(90, 1.0, dense(90)) == []  # and no more are cut
+    again = q.acquire(4, "w4", 1.0)
+    assert q.window(again).id == 1 and q.acquire(5, "w5", 1.0) == "wait" and not q.drained
+    for lease, worker in ((first, "w0"), (again, "w4"), (third, "w2")):
+        assert q.finish(lease.id, worker, 10)
+    assert q.acquire(5, "w5", 2.0) == "stopped" and q.drained and q.committed == 30
+
+
+def test_windows_are_cut_a_few_ahead_of_the_trainers():
+    q = queue(10)
+    assert len(q.offer(10 * (CUT_AHEAD + 5), 0.0, dense(10 * (CUT_AHEAD + 5)))) == CUT_AHEAD
     lease = q.acquire(0, "w0", 0.0)
-    q.stop()
-    assert q.offer(50, 1.0, dense(50)) == []  # no more windows once draining
-    other = q.acquire(1, "w1", 1.0)
-    assert q.acquire(2, "w2", 1.0) == "wait" and not q.drained
-    q.finish(lease.id, "w0", 10)
-    q.finish(other.id, "w1", 10)
-    assert q.acquire(2, "w2", 2.0) == "stopped" and q.drained and q.committed == 20
+    assert len(q.offer(10 * (CUT_AHEAD + 5), 0.0, dense(10 * (CUT_AHEAD + 5)))) == 1  # as they take them
+    assert q.finish(lease.id, "w0", 10) and q.committed == 10
 
 
 def test_a_snapshot_restores_the_queue_and_a_broken_one_is_refused():
@@ -136,8 +145,8 @@ def test_windows_that_expire_together_go_back_oldest_first_and_a_drain_survives_
 
 def test_an_endless_stream_keeps_the_latest_discarded_windows_and_counts_the_rest():
     q = queue(1, max_failures=0)
-    q.offer(DISCARDED_KEPT + 10, 0.0, dense(DISCARDED_KEPT + 10))
     for window in range(DISCARDED_KEPT + 10):
+        q.offer(DISCARDED_KEPT + 10, 0.0, dense(DISCARDED_KEPT + 10))
         lease = q.acquire(0, "w0", 0.0)
         assert q.fail(lease.id, "w0", f"bad window {window}") == "discarded"
     status = q.status()
