@@ -110,6 +110,14 @@ def _config(
     help="--role coordinator: failures a task may have before it is discarded.",
 )
 @click.option(
+    "--stream",
+    metavar="SOURCE",
+    help="--role coordinator: a streaming job's coordinator, of this stream (SIGTERM drains the job).",
+)
+@click.option(
+    "--drain", is_flag=True, help="--role coordinator, with --stream: start draining (its job is draining)."
+)
+@click.option(
     "--parent-pid",
     type=int,
     hidden=True,
@@ -128,6 +136,8 @@ def serve(
     snapshot: str | None,
     task_timeout: float,
     max_task_failures: int,
+    stream: str | None,
+    drain: bool,
     parent_pid: int | None,
     profile: bool,
     compile_: bool | None,
@@ -154,8 +164,17 @@ def serve(
         if program_file or startup_file:
             fail("--program and --startup go with --role pserver")
         if role == "coordinator":
+            if drain and stream is None:
+                fail("--drain goes with --stream: a dataset's coordinator has nothing to drain")
             server = Coordinator(
-                endpoint, config.rpc, snapshot, task_timeout, max_task_failures, name or "coordinator"
+                endpoint,
+                config.rpc,
+                snapshot,
+                task_timeout,
+                max_task_failures,
+                name or "coordinator",
+                stream=stream,
+                drain=drain,
             )
         else:
             server = ExecutorServer(endpoint, config, name, compile_)

@@ -99,7 +99,12 @@ class Runtime:
             from fluidps.executor.ps.trainer_client import TrainerClient  # loads ZeroMQ
 
             self._trainer = TrainerClient(
-                self.settings, self.sender, self.context_for, self.profile, self.config.replaces
+                self.settings,
+                self.sender,
+                self.context_for,
+                self.profile,
+                self.config.replaces,
+                batch_tag=lambda: self._readers.batch_tag() if self._readers is not None else None,
             )
         return self._trainer
 
@@ -133,7 +138,9 @@ class Runtime:
         if self._readers is None:
             from fluidps.executor.tasks.task_reader import Readers
 
-            self._readers = Readers(self.config.coordinator, self._coordinator_source, self._idle_trainer)
+            self._readers = Readers(
+                self.config.coordinator, self._coordinator_source, self._idle_trainer, self._settle_sends
+            )
         return self._readers
 
     @property
@@ -180,6 +187,11 @@ class Runtime:
             return trainer.idle_round()
         trainer.pause()
         return False
+
+    def _settle_sends(self) -> None:
+        """Wait until the pservers acknowledged every gradient this trainer sent."""
+        if self._trainer is not None:
+            self._trainer.settle()
 
     def _coordinator_source(self, address: str, request: dict[str, Any]) -> TaskSource | WindowSource:
         """A reader's tasks from the coordinator: a dataset's, or a stream's windows."""

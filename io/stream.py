@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -92,7 +93,8 @@ class StreamSource(Protocol):
 
 def read_range(source: StreamSource, start: int, stop: int, chunk: int = 65536) -> Records:
     """Every record of `source` at offsets start .. stop - 1 (a window), read `chunk`
-    records at a time; records retired meanwhile are missing, and `next_offset` is `stop`."""
+    records at a time (a window's record count reads it at once, whether its offsets are
+    dense or not); records retired meanwhile are missing, and `next_offset` is `stop`."""
     parts: list[Records] = []
     offset = max(start, min(source.start_offset(), stop))
     while offset < stop:
@@ -214,6 +216,14 @@ def check_batch(arrays: Mapping[str, np.ndarray], fields: Mapping[str, Field], w
                 f"{where}: field {name!r} holds {f.dtype}; {array.dtype} does not convert to it without loss "
                 "(cast it first)"
             )
+
+
+def canonical_spec(spec: str) -> str:
+    """`spec` as every process of a job reads it: a log's directory made absolute (a
+    process started elsewhere opens the same log)."""
+    if spec.startswith("log:") and len(spec) > len("log:"):
+        return "log:" + str(Path(spec[len("log:") :]).expanduser().resolve())
+    return spec
 
 
 def open_stream(spec: str) -> StreamSource:

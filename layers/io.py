@@ -120,7 +120,7 @@ def stream_reader(
     finishes, then the program raises fluidps.EOFException. `follow=False` reads what
     the stream holds when reading starts (the last window shorter), then raises it.
     """
-    from fluidps.io.stream import check_group, open_stream
+    from fluidps.io.stream import canonical_spec, check_group, open_stream
 
     _reader_arguments("stream_reader", batch_size)
     if window_records < 1 or (window_seconds is not None and not window_seconds > 0):
@@ -129,6 +129,7 @@ def stream_reader(
             f"{window_records}, {window_seconds}"
         )
     check_group(group)
+    source = canonical_spec(source)
     stream = open_stream(source)
     try:
         known = stream.fields  # (None until its first append: the read op checks then)

@@ -39,7 +39,7 @@ from fluidps.executor.launch.restarts import RestartBudget
 from fluidps.executor.tasks.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
 from fluidps.executor.transport.rpc import RpcSettings
 from fluidps.io.dataset import Dataset
-from fluidps.io.stream import open_stream
+from fluidps.io.stream import canonical_spec, open_stream
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class DatasetLauncher(Launcher):
         source = (
             {"FLUIDPS_DATASET": str(Path(job.dataset).resolve())}
             if job.dataset is not None
-            else {"FLUIDPS_STREAM": str(job.stream)}
+            else {"FLUIDPS_STREAM": canonical_spec(str(job.stream))}
         )
         return {
             **source,
@@ -136,6 +136,8 @@ class DatasetLauncher(Launcher):
             "--task-timeout", str(job.task_timeout),
             "--max-task-failures", str(job.max_task_failures),
         ]  # fmt: skip
+        if job.stream is not None:
+            command += ["--stream", canonical_spec(job.stream)]
         if "FLUIDPS_PEER_TIMEOUT" in os.environ:
             command += ["--peer-timeout", os.environ["FLUIDPS_PEER_TIMEOUT"]]
         self._start("coordinator", env, command)
@@ -196,7 +198,10 @@ class DatasetLauncher(Launcher):
                 for name, (at, c) in list(due.items()):
                     if now >= at:
                         del due[name]
-                        self._start(c.name, c.env, c.command, c.restarts + 1)
+                        command = c.command
+                        if draining and c.role == "coordinator" and "--drain" not in command:
+                            command = [*command, "--drain"]  # (it comes back draining)
+                        self._start(c.name, c.env, command, c.restarts + 1)
                 trainers = [c for c in self.children if c.role == "trainer"]
                 if trainers_done_at is None and not due and all(c.returncode is not None for c in trainers):
                     trainers_done_at = now
@@ -257,6 +262,11 @@ class DatasetLauncher(Launcher):
                 f"within {job.restart_window:g} s"
             )
         if child.role == "trainer":
+            if job.stream is not None:
+                return (
+                    f"restarting it ({n}); its window goes to a trainer first, the batches it applied "
+                    "are not applied again, and it rejoins the job"
+                )
             return f"restarting it ({n}); its task goes back to the queue and it rejoins the job"
         if child.role == "pserver":
             return (

@@ -98,7 +98,8 @@ class ProgressBar:
         bar.refresh()
 
     def _update_stream(self, stream: dict[str, Any]) -> None:
-        """A stream has no passes: records applied, their rate, and how far behind the stream's end."""
+        """A stream has no passes: records applied, their rate, the committed offset and
+        the windows in hand (offsets are not counts where they are sparse: no "behind")."""
         if self._bar is None:
             self._bar = tqdm(
                 desc=f"stream {stream['source']}",
@@ -110,13 +111,7 @@ class ProgressBar:
             )
         records = int(stream["records"])
         self._bar.update(max(records - self._bar.n, 0))
-        self._bar.set_postfix(
-            {
-                "committed": stream["committed"],
-                "behind": max(int(stream["end"]) - int(stream["committed"]), 0),
-            },
-            refresh=False,
-        )
+        self._bar.set_postfix({"committed": stream["committed"], "in hand": stream["pending"]}, refresh=False)
         self._bar.refresh()
 
     def close(self) -> None:

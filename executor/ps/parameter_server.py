@@ -43,6 +43,7 @@ import numpy as np
 
 from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
 from fluidps.executor.ps import pserver_stats, pulls, sigterm
+from fluidps.executor.ps.applied_batches import AppliedBatches, parse_tag
 from fluidps.executor.ps.checkpointer import Checkpointer
 from fluidps.executor.ps.claims import WaitingClaims
 from fluidps.executor.ps.gradients import GradientSpec, RowLog
@@ -101,6 +102,7 @@ class ParameterServer:
             heard=lambda key: self.server.clock(key),
             log=self.log,
         )
+        self.applied_batches = AppliedBatches()  # each stream batch's gradients applied once
         # Async: SENDs acknowledged once their gradients are applied, and when that is.
         self.unapplied: list[tuple[Request, Callable[[], bool]]] = []
         self._waker: Waker | None = None
@@ -320,6 +322,7 @@ class ParameterServer:
         """Gradients; with `barrier`, also the trainer's send barrier of its step; with
         names, also a GET of them (answered once the step allows, as a GET is)."""
         msg = request.msg
+        tag = parse_tag(msg.text)  # (the stream batch it trained on, if a stream reader gave it)
         unknown = [g for g in msg.tensors if g not in self.spec.grad_blocks]
         if unknown:
             self.server.error(request, f"{self.name} owns no gradient named {', '.join(map(repr, unknown))}")
@@ -330,12 +333,13 @@ class ParameterServer:
             self.log(f"refused trainer {msg.trainer_id}'s SEND of its step {msg.step}: {'; '.join(wrong)}")
             self.server.error(request, f"{self.name} refused gradients: {'; '.join(wrong)}")
             return
-        for grad, value in msg.tensors.items():
+        tensors = msg.tensors if tag is None else self._fresh(msg, tag)
+        for grad, value in tensors.items():
             if isinstance(value, SelectedRows):
                 self.received_rows.setdefault(grad, RowLog()).add(value.rows)
         if (silence := self.server.clock((msg.trainer_id, msg.sender))) is not None:
             silence.warm = True  # it sent a step: its kernels are compiled
-        applied = self.strategy.on_gradients(msg.trainer_id, msg.step, msg.tensors)
+        applied = self.strategy.on_gradients(msg.trainer_id, msg.step, tensors)
         if applied is not None and not applied():
             self.unapplied.append((request, applied))  # (async: no barrier rides on it)
             return
@@ -347,6 +351,16 @@ class ParameterServer:
         self.server.reply(request)
         if msg.barrier:
             self.strategy.on_barrier(msg.trainer_id, msg.step)
+
+    def _fresh(self, msg: Message, tag: tuple[int, int]) -> dict[str, Any]:
+        """The gradients of a SEND of stream batch `tag` not applied before (applied_batches.py)."""
+        keep, dropped = self.applied_batches.fresh(tag, list(msg.tensors))
+        if dropped:
+            self.log(
+                f"trainer {msg.trainer_id}'s gradients of batch {tag[1]} of the stream window at offset {tag[0]} "
+                f"were applied before (the window went to another trainer): {len(dropped)} dropped"
+            )
+        return {name: msg.tensors[name] for name in keep}
 
     def _on_send_barrier(self, request: Request) -> None:
         """A barrier without gradients (a trainer waiting for a task keeps in step): it

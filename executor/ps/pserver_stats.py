@@ -79,6 +79,7 @@ def snapshot(ps: ParameterServer, compact: bool = False) -> dict[str, Any]:
         "joined_blocks": ps.blocks.joined_sets,  # sets of optimize blocks run as one block
         "rows_first": dict(ps.rows_first.counts),  # table updates held, and cut for a PREFETCH
         "max_message_bytes": ps.settings.message_limit,
+        "stream_gradients_dropped": ps.applied_batches.dropped,  # applied before (applied_batches.py)
     }
     if rows is not None:
         out["received_rows"] = rows

@@ -80,9 +80,13 @@ class TrainerClient:
         context_for: Callable[[str], zmq.Context],
         profile: Profile | None = None,
         replaces: int = 0,
+        batch_tag: Callable[[], str | None] | None = None,
     ):
         self.settings = settings
         self.profile = profile
+        # Which stream batch this step trains on (fluidps.executor.ps.applied_batches), when a
+        # stream reader gave it: its SENDs say so, and a pserver applies each batch's gradients once.
+        self._batch_tag = batch_tag
         self.sender = sender  # this process's incarnation: pservers tell a restarted trainer by it
         self.replaces = replaces  # the incarnation of this trainer id it replaces, if its launcher said
         self._context_for = context_for
@@ -162,13 +166,23 @@ class TrainerClient:
             if total.count < every:
                 return
             items = total.take_mean()
-        self._deliver(items, trainer_id, bucket_bytes, communicate)
+        # (gradients of several steps merged into one push name no single batch: untagged,
+        # they are applied at least once)
+        tag = (
+            self._batch_tag() if self._batch_tag is not None and every == 1 and communicate is None else None
+        )
+        self._deliver(items, trainer_id, bucket_bytes, communicate, tag)
 
     def _deliver(
-        self, items: Sequence[Push], trainer_id: int, bucket_bytes: int, communicate: Communicate | None
+        self,
+        items: Sequence[Push],
+        trainer_id: int,
+        bucket_bytes: int,
+        communicate: Communicate | None,
+        tag: str | None = None,
     ) -> None:
         if communicate is None:
-            self._push(items, trainer_id, bucket_bytes)
+            self._push(items, trainer_id, bucket_bytes, tag)
         else:
             self._communicator_for(trainer_id, communicate).put(items, self.step, communicate.merge)
 
@@ -189,9 +203,13 @@ class TrainerClient:
             )
         return self._communicator
 
-    def _push(self, items: Sequence[Push], trainer_id: int, bucket_bytes: int = 0) -> None:
+    def _push(
+        self, items: Sequence[Push], trainer_id: int, bucket_bytes: int = 0, tag: str | None = None
+    ) -> None:
         for endpoint, name, value in items:
             msg = self._hold(endpoint, trainer_id)
+            if tag is not None:
+                msg.text = tag
             if name in msg.tensors:
                 raise TransportError(f"gradient {name!r} sent twice to pserver {endpoint} in one step")
             msg.tensors[name] = value

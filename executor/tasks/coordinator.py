@@ -29,7 +29,8 @@ from typing import Any
 
 import zmq
 
-from fluidps.errors import Error
+from fluidps.errors import Error, StreamError
+from fluidps.executor.tasks.leases import LeaseBook
 from fluidps.executor.tasks.stream_windows import StreamWindows
 from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
 from fluidps.executor.tasks.window_queue import WindowConfig
@@ -64,6 +65,10 @@ DEFAULT_MAX_FAILURES = 3
 # they come every timeout / 3 while it works, so only a slower trainer stretches it.
 LEASE_STRETCH = 2.0
 MAX_CLOCKS = 4096  # trainer processes whose silences it keeps (the least recently heard go)
+REASON_CHARS = 500  # of a failure's reason, kept in the books
+# A request that held the loop this long (a slow stream source) pushes every lease's
+# deadline back by as much: the trainers' renewals waited unread meanwhile.
+STALL_S = 1.0
 
 
 class Coordinator:
@@ -75,8 +80,15 @@ class Coordinator:
         task_timeout: float = DEFAULT_TASK_TIMEOUT,
         max_failures: int = DEFAULT_MAX_FAILURES,
         name: str = "coordinator",
+        stream: str | None = None,
+        drain: bool = False,
     ):
+        """`stream`: this is a streaming job's coordinator, of that stream (its trainers must
+        read it; SIGTERM drains the job); `drain`: start draining (a coordinator started
+        again while its job drains)."""
         self.settings = settings or RpcSettings()
+        self.stream = stream
+        self._drain_pending = drain  # drain once the windows exist (none were asked for yet)
         self.name = name
         self.snapshot = Path(snapshot) if snapshot else None
         self.task_timeout, self.max_failures = task_timeout, max_failures
@@ -106,7 +118,10 @@ class Coordinator:
         try:
             while self._running:
                 for request in self.server.receive(0.2):
+                    started = time.monotonic()
                     self._handle(request)
+                    if (took := time.monotonic() - started) > STALL_S and (book := self._book) is not None:
+                        book.postpone(took)
                 self._expire()
                 if self._sigterm:
                     self._sigterm = False
@@ -123,18 +138,32 @@ class Coordinator:
         self._sigterm = True
 
     def _terminated(self) -> None:
-        if self.windows is not None and not self.windows.queue.stopping:
+        if self.stream is not None and not self._drain_pending and not self._draining:
             self.drain()
         else:
             self.stop()
 
+    @property
+    def _draining(self) -> bool:
+        return self.windows is not None and self.windows.queue.stopping
+
     def drain(self) -> None:
-        """A streaming job told to stop: cut no more windows; those cut are still handed
-        out and finished, then every reader is told "stopped" (its run ends)."""
-        if self.windows is not None and not self.windows.queue.stopping:
+        """A streaming job told to stop: cut no more windows, and give those nobody holds
+        back to the stream; the windows in hand are finished, then every reader is told
+        "stopped" (its run ends). Before any window was asked for, the job drains as
+        soon as its windows exist."""
+        if self.windows is None:
+            self._drain_pending = True
+            self.log("draining: no window was handed out yet; the trainers will be told to stop")
+        elif not self.windows.queue.stopping:
             self.windows.stop()
-            self.log("draining: no new windows; the ones cut are finished first")
+            self.log("draining: no new windows; the ones in hand are finished first")
             self._save()
+
+    @property
+    def _book(self) -> LeaseBook | None:
+        """The leases of this job: its dataset's tasks or its stream's windows."""
+        return self.queue if self.queue is not None else self.windows.queue if self.windows else None
 
     def close(self) -> None:
         self.server.close()
@@ -143,7 +172,7 @@ class Coordinator:
     def _expire(self) -> None:
         """Fail (and log) the leases past their deadline; before any request is handled,
         so that no task goes back to the queue without a word."""
-        book = self.queue if self.queue is not None else self.windows.queue if self.windows else None
+        book = self._book
         if book is None or not book.pending:
             return
         expired = book.expire(time.monotonic())
@@ -246,6 +275,10 @@ class Coordinator:
         )
         if self.queue is not None:
             raise Error(f"trainer {msg.trainer_id} asks for a stream's window, but this job reads a dataset")
+        if self.stream is not None and config.source != self.stream:
+            raise Error(
+                f"trainer {msg.trainer_id} reads stream {config.source}, but this job's stream is {self.stream}"
+            )
         if self.windows is None:
             self.windows = StreamWindows.open(
                 open_stream(config.source), config, wanted["follow"], self.task_timeout, self.max_failures
@@ -256,19 +289,24 @@ class Coordinator:
                 + f" from {config.source}, group {config.group}, offset {self.windows.queue.committed}"
                 + ("" if wanted["follow"] else " up to the end it has now")
             )
+            if self._drain_pending:
+                self.drain()
         elif config != self.windows.queue.config or wanted["follow"] != self.windows.follow:
             raise Error(
                 f"trainer {msg.trainer_id} reads the stream as {asdict(config)} (follow={wanted['follow']}), but "
                 f"this job's windows are {asdict(self.windows.queue.config)} (follow={self.windows.follow}): every "
-                "trainer must read the same stream the same way"
+                "trainer must read the same stream the same way (to read it another way, start the coordinator "
+                "without the books of the run that read it this way)"
             )
         windows, worker = self.windows, f"{msg.sender:x}"
         for lease, outcome in windows.queue.replaced(msg.trainer_id, worker):
             self._report_failure(
                 lease, f"trainer {msg.trainer_id} restarted while it held the window", outcome
             )
+        before = windows.queue.fingerprint()
         got = windows.acquire(msg.trainer_id, worker, time.monotonic(), self._allowance(msg))
-        self._save()
+        if windows.queue.fingerprint() != before:  # (a reader waiting for records changes nothing)
+            self._save()
         if isinstance(got, str):
             return Message(Kind.NO_TASK, text=got)
         window = windows.queue.window(got)
@@ -283,30 +321,18 @@ class Coordinator:
         return Message(Kind.TASK, text=json.dumps(reply))
 
     def _report_window(self, msg: Message) -> Message:
-        windows, worker = self.windows, f"{msg.sender:x}"
+        windows = self.windows
         assert windows is not None
-        queue = windows.queue
         if msg.kind == Kind.TASK_RENEW:
-            lease_id = json_fields(msg.text, {"lease": int})["lease"]
-            ok = queue.renew(lease_id, worker, time.monotonic(), self._allowance(msg))
-            return Message(Kind.OK, text="renewed" if ok else "stale")
+            return self._renew(msg, windows.queue)
         if msg.kind == Kind.TASK_DONE:
-            fields = json_fields(msg.text, {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT})
-            if fields["samples"] < 0:
-                raise Error(f"a window report needs samples >= 0, got {msg.text!r}")
-            counted = queue.finish(fields["lease"], worker, fields["samples"])
-            self._clock(msg).warm = True
-            if not counted:
-                self.log(f"trainer {msg.trainer_id} finished lease {fields['lease']}, which is no longer its")
-            outcome = "counted" if counted else "stale"
+            fields = _done_fields(msg.text)
+            outcome = self._counted(
+                msg, windows.queue.finish(fields["lease"], f"{msg.sender:x}", fields["samples"])
+            )
         else:
-            fields = json_fields(msg.text, {"lease": int, "reason": str})
-            lease = next((le for le in queue.pending.values() if le.id == fields["lease"]), None)
-            outcome = queue.fail(fields["lease"], worker, fields["reason"])
-            if lease is not None and outcome != "stale":
-                self._report_failure(lease, fields["reason"], outcome)
-        self._save()  # (before the source is told: a crash between the two commits it again)
-        windows.commit()
+            outcome = self._fail(msg, windows.queue)
+        self._save()
         return Message(Kind.OK, text=outcome)
 
     def _report(self, msg: Message) -> Message:
@@ -314,34 +340,43 @@ class Coordinator:
             return self._report_window(msg)
         if self.queue is None:
             raise Error("no task was handed out yet: this report is from another job")
-        queue, worker = self.queue, f"{msg.sender:x}"
+        queue = self.queue
         pass_before = queue.pass_index
         if msg.kind == Kind.TASK_RENEW:
-            lease_id = json_fields(msg.text, {"lease": int})["lease"]
-            ok = queue.renew(lease_id, worker, time.monotonic(), self._allowance(msg))
-            return Message(Kind.OK, text="renewed" if ok else "stale")
+            return self._renew(msg, queue)
         if msg.kind == Kind.TASK_DONE:
-            fields = json_fields(msg.text, {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT})
-            if fields["samples"] < 0 or (fields["loss"] is not None and not math.isfinite(fields["loss"])):
-                raise Error(f"a task report needs samples >= 0 and a finite loss, got {msg.text!r}")
-            counted = queue.finish(fields["lease"], worker, fields["samples"], fields["loss"])
-            self._clock(msg).warm = True  # it did a task: its first step's compiles are behind it
-            if not counted:
-                self.log(
-                    f"trainer {msg.trainer_id} finished lease {fields['lease']}, which is no longer its: not counted"
-                )
-            self._after_change(pass_before)
-            return Message(Kind.OK, text="counted" if counted else "stale")
-        fields = json_fields(msg.text, {"lease": int, "reason": str})
-        lease = next((le for le in queue.pending.values() if le.id == fields["lease"]), None)
-        outcome = queue.fail(fields["lease"], worker, fields["reason"])
-        if lease is not None and outcome != "stale":
-            self._report_failure(lease, fields["reason"], outcome)
+            fields = _done_fields(msg.text)
+            counted = queue.finish(fields["lease"], f"{msg.sender:x}", fields["samples"], fields["loss"])
+            outcome = self._counted(msg, counted)
+        else:
+            outcome = self._fail(msg, queue)
         self._after_change(pass_before)
         return Message(Kind.OK, text=outcome)
 
+    def _renew(self, msg: Message, book: LeaseBook) -> Message:
+        lease_id = json_fields(msg.text, {"lease": int})["lease"]
+        ok = book.renew(lease_id, f"{msg.sender:x}", time.monotonic(), self._allowance(msg))
+        return Message(Kind.OK, text="renewed" if ok else "stale")
+
+    def _counted(self, msg: Message, counted: bool) -> str:
+        """After a TASK_DONE: "counted", or "stale" (logged) for a lease no longer the trainer's."""
+        self._clock(msg).warm = True  # it did a task: its first step's compiles are behind it
+        if not counted:
+            lease = json.loads(msg.text)["lease"]
+            self.log(f"trainer {msg.trainer_id} finished lease {lease}, which is no longer its: not counted")
+        return "counted" if counted else "stale"
+
+    def _fail(self, msg: Message, book: LeaseBook) -> str:
+        fields = json_fields(msg.text, {"lease": int, "reason": str})
+        fields["reason"] = fields["reason"][:REASON_CHARS]  # (kept in the books: bounded)
+        lease = next((le for le in book.pending.values() if le.id == fields["lease"]), None)
+        outcome = book.fail(fields["lease"], f"{msg.sender:x}", fields["reason"])
+        if lease is not None and outcome != "stale":
+            self._report_failure(lease, fields["reason"], outcome)
+        return outcome
+
     def _report_failure(self, lease: Lease, reason: str, outcome: str) -> None:
-        book = self.queue if self.queue is not None else self.windows.queue if self.windows else None
+        book = self._book
         assert book is not None
         what_kind = "task" if self.queue is not None else "window"
         failures = book.failures.get(lease.task, 0)
@@ -381,15 +416,21 @@ class Coordinator:
     # -- persistence ------------------------------------------------------------------------
 
     def _save(self) -> None:
-        if self.snapshot is None:
-            return
+        """Write the books; then, in a streaming job, commit the stream's offset (a crash
+        between the two commits it again on resuming: the books never fall behind it)."""
         if self.windows is not None:
             body = {"stream": self.windows.queue.config.source, "windows": self.windows.to_snapshot()}
         elif self.queue is not None:
             body = {"dataset": self.dataset_path, "queue": self.queue.to_snapshot()}
         else:
             return
-        write_atomic(str(self.snapshot), [json.dumps(body).encode()])
+        if self.snapshot is not None:
+            write_atomic(str(self.snapshot), [json.dumps(body).encode()])
+        if self.windows is not None:
+            try:
+                self.windows.commit()
+            except StreamError as e:  # (the offset is committed at the next change)
+                self.log(f"could not commit {self.windows.queue.config.source}'s offset now: {e}")
 
     def _resume(self) -> None:
         assert self.snapshot is not None
@@ -398,6 +439,18 @@ class Coordinator:
             if isinstance(body, dict) and "windows" in body:
                 self.windows = StreamWindows.from_snapshot(open_stream(str(body["stream"])), body["windows"])
                 q = self.windows.queue
+                source_committed = self.windows.source.committed(q.config.group)
+                if q.drained or source_committed > q.committed:
+                    why = (
+                        "a run that finished (drained, or read to its end)"
+                        if q.drained
+                        else f"an earlier run: the group has committed {source_committed} since, past its {q.committed}"
+                    )
+                    self.log(
+                        f"{self.snapshot} holds the books of {why}; this run starts from the stream's offset"
+                    )
+                    self.windows = None
+                    return
                 self.log(
                     f"resumed from {self.snapshot}: {q.config.source} committed at {q.committed}, "
                     f"{len(q.windows)} window(s) cut after it ({len(q.pending)} pending: their trainers may "
@@ -425,6 +478,14 @@ class Coordinator:
         if self.queue is None:
             return {"configured": False, "finished": False}
         return {"configured": True, "dataset": self.dataset_path, **self.queue.status()}
+
+
+def _done_fields(text: str) -> dict[str, Any]:
+    """A TASK_DONE's fields, checked: its lease, the samples it trained on, its mean loss."""
+    fields = json_fields(text, {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT})
+    if fields["samples"] < 0 or (fields["loss"] is not None and not math.isfinite(fields["loss"])):
+        raise Error(f"a task report needs samples >= 0 and a finite loss, got {text!r}")
+    return fields
 
 
 def _is_stream_request(text: str) -> bool:

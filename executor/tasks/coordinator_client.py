@@ -157,8 +157,8 @@ class CoordinatorWindows:
     def release(self, lease: WindowLease) -> None:
         self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": "its trainer stopped early"})
 
-    def renew(self, lease: WindowLease) -> None:
-        self.client.call(Kind.TASK_RENEW, {"lease": lease.lease})
+    def renew(self, lease: WindowLease) -> bool:
+        return self.client.call(Kind.TASK_RENEW, {"lease": lease.lease}).text == "renewed"
 
     def stop(self) -> None:
         self.stopping = True

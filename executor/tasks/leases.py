@@ -103,6 +103,12 @@ class LeaseBook:
         late = self._in_retry_order([lease for lease in self.pending.values() if lease.deadline <= now])
         return [(lease, self._failed(lease, f"timed out after {self.allowed(lease):g} s")) for lease in late]
 
+    def postpone(self, seconds: float) -> None:
+        """Move every deadline `seconds` later: the coordinator was not listening that long
+        (a slow source held it), so its trainers' silence then is not theirs."""
+        for lease in self.pending.values():
+            lease.deadline += seconds
+
     def allowed(self, lease: Lease) -> float:
         return lease.allowed or self.timeout
 

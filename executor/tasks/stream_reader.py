@@ -14,6 +14,13 @@ that does not follow the stream read what it held) the read raises EOFException.
 
 Records that fail their checks (a bad CRC, wrong fields) are never trained on: the
 reader skips them and says so, once per window.
+
+A window whose trainer died goes to another, which reads it from its first record. So
+that the batches the first one pushed are not applied twice, the step's SENDs name the
+stream batch it trained on (`batch_tag`: the window's start and the batch's index) and
+each pserver applies a batch's gradients once (fluidps.executor.ps.applied_batches);
+before a window is reported done, the reader waits until every gradient sent was
+acknowledged.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from fluidps.errors import EOFException, NoDataYet, StreamError
+from fluidps.executor.ps.applied_batches import batch_tag
 from fluidps.executor.tasks.stream_windows import StreamWindows
+from fluidps.executor.tasks.task_reader import LossTally
 from fluidps.executor.tasks.window_queue import WindowConfig
 from fluidps.io.stream import Records, open_stream, read_range
 from fluidps.ops.reader import StreamReaderSpec
@@ -35,7 +44,10 @@ from fluidps.ops.reader import StreamReaderSpec
 if TYPE_CHECKING:
     from fluidps.executor.tasks.task_reader import Readers
 
-WAIT_POLL_S = 0.05  # a stream's records come without end: look again soon
+# Waiting for records, a reader asks again after WAIT_POLL_S, then twice as long each
+# time up to WAIT_POLL_MAX_S: soon while records trickle in, rarely while the stream is quiet.
+WAIT_POLL_S = 0.05
+WAIT_POLL_MAX_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +71,7 @@ class WindowSource(Protocol):
 
     def release(self, lease: WindowLease) -> None: ...
 
-    def renew(self, lease: WindowLease) -> None: ...
+    def renew(self, lease: WindowLease) -> bool: ...  # False: the lease is no longer this trainer's
 
     def stop(self) -> None: ...
 
@@ -67,10 +79,14 @@ class WindowSource(Protocol):
 
 
 def window_config(spec: StreamReaderSpec) -> WindowConfig:
+    """The windows a reader of `spec` asks for (the coordinator checks every trainer asks alike)."""
     return WindowConfig(spec.source, spec.group, spec.window_records, spec.window_seconds)
 
 
 class StreamReader:
+    """The reader of one READER variable of a stream (create_stream_reader's), in a
+    process's Readers: one window at a time, its batches in offset order."""
+
     def __init__(self, spec: StreamReaderSpec, readers: Readers):
         self.spec = spec
         self.config = window_config(spec)  # (checks the group and the window's size)
@@ -86,14 +102,16 @@ class StreamReader:
         self._lease: WindowLease | None = None
         self._records: Records | None = None
         self._cursor = 0
-        self._loss_sum, self._loss_samples = 0.0, 0
+        self._losses = LossTally()
         self._batch = 0
         self._renewed = 0.0
         self.windows_done = 0
         self.records_read = 0
         self.bad_records = 0
         self.exhausted = False
-        self._stopping = False
+        self._stopping = False  # (set by stop(), maybe in a signal handler: acted on at the next ask)
+        self._poll_s = WAIT_POLL_S
+        self.batch_tag: str | None = None  # the batch handed out last, as its step's SENDs name it
 
     @property
     def last_batch(self) -> int:
@@ -113,6 +131,8 @@ class StreamReader:
                 return self._take(min(left, self.spec.batch_size), source)
             if self._lease is not None:
                 self._finish(source)
+            if self._stopping:
+                source.stop()
             got = source.acquire()
             if got == "stopped":
                 self.exhausted = True
@@ -124,21 +144,17 @@ class StreamReader:
                 if not self._readers.wait_for_tasks:
                     raise NoDataYet(f"no window of stream {self.spec.source} is ready")
                 if not self._readers.idle_trainer():
-                    time.sleep(WAIT_POLL_S)
+                    time.sleep(self._poll_s)
+                    self._poll_s = min(self._poll_s * 2, WAIT_POLL_MAX_S)
                 continue
+            self._poll_s = WAIT_POLL_S
             self._lease, self._cursor, self._renewed = got, 0, time.monotonic()
-            self._loss_sum, self._loss_samples = 0.0, 0
+            self._losses = LossTally()
             self._records = self._read_window(got)
 
     def observe(self, fetched: list[Any]) -> None:
         """After a step: its first scalar floating fetch counts as this batch's loss."""
-        for value in fetched:
-            if isinstance(value, np.ndarray) and value.size == 1 and np.issubdtype(value.dtype, np.floating):
-                loss = float(value.reshape(-1)[0])
-                if math.isfinite(loss):
-                    self._loss_sum += loss * self._batch
-                    self._loss_samples += self._batch
-                return
+        self._losses.observe(fetched, self._batch)
 
     def fail_current(self, reason: str) -> None:
         """The step using this window's batch failed: the window goes back (or is discarded)."""
@@ -147,17 +163,16 @@ class StreamReader:
             self._source.fail(lease, reason.splitlines()[0][:500] if reason else "failed")
 
     def stop(self) -> None:
-        """Drain: finish the window in hand, then end (the next read past it raises EOFException)."""
+        """Drain: finish the window in hand, then end (the next read past it raises
+        EOFException). Only sets a flag: safe in a signal handler."""
         self._stopping = True
-        if self._source is not None:
-            self._source.stop()
 
     def close(self) -> None:
         """Report a window whose every batch was used; give back one left half done."""
         if self._lease is not None and self._source is not None:
             lease, self._lease = self._lease, None
             if self._records is not None and self._cursor >= len(self._records):
-                self._source.finish(lease, self._cursor, self._mean_loss())
+                self._source.finish(lease, self._cursor, self._losses.mean())
             else:
                 self._source.release(lease)
         if self._source is not None:
@@ -168,7 +183,8 @@ class StreamReader:
     # -- inside --------------------------------------------------------------------------
 
     def _read_window(self, lease: WindowLease) -> Records:
-        records = read_range(self.stream, lease.start, lease.stop)
+        # (a window holds at most window_records records: one read, even where offsets are sparse)
+        records = read_range(self.stream, lease.start, lease.stop, self.spec.window_records)
         if records.bad:
             self.bad_records += len(records.bad)
             first = records.bad[0]
@@ -178,31 +194,47 @@ class StreamReader:
                 file=sys.stderr,
                 flush=True,
             )
-        fields = records.fields
-        if len(records) and any(f not in fields for f in self.spec.fields):
-            raise StreamError(f"stream {self.spec.source} has no field for {list(self.spec.fields)}")
+        missing = [f for f in self.spec.fields if f not in records.fields]
+        if len(records) and missing:
+            raise StreamError(
+                f"stream {self.spec.source} has no field {', '.join(map(repr, missing))} for this reader (it "
+                f"has {', '.join(records.fields)})"
+            )
+        if not len(records) and not records.bad:
+            print(
+                f"stream {self.spec.source}: window {lease.window} ({lease.start}..{lease.stop - 1}) has no records "
+                "left (retention retired them before they were read): nothing to train on",
+                file=sys.stderr,
+                flush=True,
+            )
         return records
 
     def _take(self, count: int, source: WindowSource) -> dict[str, np.ndarray]:
         records, start = self._records, self._cursor
         assert records is not None and self._lease is not None
+        self.batch_tag = batch_tag(self._lease.start, start // self.spec.batch_size)
         self._cursor += count
         self._batch = count
         self.records_read += count
         if time.monotonic() - self._renewed > self._lease.timeout / 3:
-            source.renew(self._lease)  # a long window: keep the lease
             self._renewed = time.monotonic()
+            if not source.renew(self._lease):  # a long window: keep the lease, or see it went to another
+                print(
+                    f"stream {self.spec.source}: window {self._lease.window} went to another trainer (this one "
+                    "was silent too long); its batches are applied once, whoever sends them",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return {field: records.fields[field][start : start + count] for field in self.spec.fields}
 
     def _finish(self, source: WindowSource) -> None:
         lease, self._lease = self._lease, None
         assert lease is not None
-        source.finish(lease, self._cursor, self._mean_loss())
+        self.batch_tag = None
+        self._readers.settle()  # (the window's last gradients applied before it counts as done)
+        source.finish(lease, self._cursor, self._losses.mean())
         self._records = None
         self.windows_done += 1
-
-    def _mean_loss(self) -> float | None:
-        return self._loss_sum / self._loss_samples if self._loss_samples else None
 
     def _bind(self) -> WindowSource:
         if self._readers.coordinator is None:
@@ -246,8 +278,8 @@ class LocalWindows:
     def release(self, lease: WindowLease) -> None:
         self.windows.queue.release(lease.lease, "local")
 
-    def renew(self, lease: WindowLease) -> None:
-        pass  # nothing expires in this process
+    def renew(self, lease: WindowLease) -> bool:
+        return True  # nothing expires in this process
 
     def stop(self) -> None:
         self.windows.stop()

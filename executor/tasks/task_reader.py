@@ -40,7 +40,7 @@ from fluidps.io.dataset import Dataset
 from fluidps.ops.reader import ReaderSpec, StreamReaderSpec
 
 if TYPE_CHECKING:
-    from fluidps.executor.tasks.stream_reader import StreamReader
+    from fluidps.executor.tasks.stream_reader import StreamReader, WindowSource
 
 WAIT_POLL_S = 0.2
 # Tasks are made small enough that a dataset has many (trainers come and go at task
@@ -76,6 +76,26 @@ class TaskSource(Protocol):
     def close(self) -> None: ...
 
 
+class LossTally:
+    """A task's (or a window's) mean loss: each step's first scalar floating fetch,
+    weighted by its batch's records (steps whose loss is not finite do not count)."""
+
+    def __init__(self) -> None:
+        self.total, self.samples = 0.0, 0
+
+    def observe(self, fetched: list[Any], batch: int) -> None:
+        for value in fetched:
+            if isinstance(value, np.ndarray) and value.size == 1 and np.issubdtype(value.dtype, np.floating):
+                loss = float(value.reshape(-1)[0])
+                if math.isfinite(loss):
+                    self.total += loss * batch
+                    self.samples += batch
+                return
+
+    def mean(self) -> float | None:
+        return self.total / self.samples if self.samples else None
+
+
 class TaskReader:
     def __init__(self, spec: ReaderSpec, readers: Readers):
         self.spec = spec
@@ -98,7 +118,7 @@ class TaskReader:
         self._data: dict[str, np.ndarray] = {}
         self._cursor = 0
         self._samples = 0
-        self._loss_sum, self._loss_samples = 0.0, 0
+        self._losses = LossTally()
         self._batch = 0  # samples in the last batch handed out
         self._renewed = 0.0
         self.tasks_done = 0
@@ -137,18 +157,12 @@ class TaskReader:
                     time.sleep(WAIT_POLL_S)
                 continue
             self._lease, self._cursor, self._renewed = got, 0, time.monotonic()
-            self._samples, self._loss_sum, self._loss_samples = 0, 0.0, 0
+            self._samples, self._losses = 0, LossTally()
             self._data = self.dataset.read(got.shard, got.start, got.stop)
 
     def observe(self, fetched: list[Any]) -> None:
         """After a step: its first scalar floating fetch counts as this batch's loss."""
-        for value in fetched:
-            if isinstance(value, np.ndarray) and value.size == 1 and np.issubdtype(value.dtype, np.floating):
-                loss = float(value.reshape(-1)[0])
-                if math.isfinite(loss):
-                    self._loss_sum += loss * self._batch
-                    self._loss_samples += self._batch
-                return
+        self._losses.observe(fetched, self._batch)
 
     def fail_current(self, reason: str) -> None:
         """The step using this task's batch failed: the task goes back (or is discarded)."""
@@ -163,7 +177,7 @@ class TaskReader:
         if self._lease is not None and self._source is not None:
             lease, self._lease = self._lease, None
             if self._cursor >= lease.stop - lease.start:
-                self._source.finish(lease, self._samples, self._mean_loss())
+                self._source.finish(lease, self._samples, self._losses.mean())
             else:
                 self._source.release(lease)
         if self._source is not None:
@@ -187,11 +201,8 @@ class TaskReader:
     def _finish(self, source: TaskSource) -> None:
         lease, self._lease = self._lease, None
         assert lease is not None
-        source.finish(lease, self._samples, self._mean_loss())
+        source.finish(lease, self._samples, self._losses.mean())
         self.tasks_done += 1
-
-    def _mean_loss(self) -> float | None:
-        return self._loss_sum / self._loss_samples if self._loss_samples else None
 
     def _bind(self) -> TaskSource:
         if self._readers.coordinator is None:
@@ -250,7 +261,9 @@ class Readers:
     `wait_for_tasks`: a reader with no task now waits for one, calling `idle_trainer`
     between its asks (which returns whether to ask again at once: the job moved on
     meanwhile), unless a client drives this executor step by step (an executor
-    server): then it raises NoDataYet and the step is skipped.
+    server): then it raises NoDataYet and the step is skipped. `settle`: wait until the
+    pservers acknowledged every gradient sent (a stream reader calls it before it
+    reports a window done: its records are applied then).
     """
 
     def __init__(
@@ -258,10 +271,12 @@ class Readers:
         coordinator: str | None,
         connect: Callable[[str, dict[str, Any]], TaskSource],
         idle_trainer: Callable[[], bool],
+        settle: Callable[[], None] = lambda: None,
     ):
         self.coordinator = coordinator
         self.wait_for_tasks = True
         self.idle_trainer = idle_trainer
+        self.settle = settle
         self._connect = connect
         self._open: dict[str, TaskReader | StreamReader] = {}
 
@@ -285,7 +300,15 @@ class Readers:
             reader.stop()
         return len(streams)
 
-    def coordinator_source(self, request: dict[str, Any]) -> Any:
+    def batch_tag(self) -> str | None:
+        """The stream batch this step trains on, as its gradients' SENDs name it
+        (fluidps.executor.ps.applied_batches); None when no stream reader gave one."""
+        for reader in self._open.values():
+            if isinstance(reader.spec, StreamReaderSpec) and (tag := reader.batch_tag) is not None:
+                return tag
+        return None
+
+    def coordinator_source(self, request: dict[str, Any]) -> TaskSource | WindowSource:
         assert self.coordinator is not None
         return self._connect(self.coordinator, request)
 

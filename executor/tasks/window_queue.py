@@ -82,16 +82,18 @@ class WindowQueue(LeaseBook):
         self.records = 0  # records of the windows done
         self.discarded_windows = 0  # discarded windows now below the committed offset (not trained on)
         self.stopping = False  # draining: no new windows
+        self.ended = False  # every record up to the queue's last offset is cut
 
     # -- cutting ---------------------------------------------------------------------------
 
     def offer(self, end: int, now: float, advance: Advance, final: bool = False) -> list[Window]:
-        """Cut the windows the records up to offset `end` make now; returns them. `final`:
-        this is the stream's last offer (a reader that does not follow the stream reads
-        what it held when reading began): the records left make a last, shorter window,
-        and the queue stops."""
+        """Cut the windows the records up to offset `end` make now (at most CUT_AHEAD
+        waiting in todo); returns them. `final`: `end` is where the stream ends for this
+        queue (a reader that does not follow the stream reads what it held when reading
+        began): the records left make a last, shorter window, and once every record up
+        to `end` is cut the queue has `ended`."""
         cut: list[Window] = []
-        while not self.stopping and end > self.next_start and (final or len(self.todo) < CUT_AHEAD):
+        while not self.stopping and end > self.next_start and len(self.todo) < CUT_AHEAD:
             if self.waiting_since is None:
                 self.waiting_since = now
             stop, records = advance(self.next_start, self.config.window_records)
@@ -100,6 +102,9 @@ class WindowQueue(LeaseBook):
                 self.config.window_seconds is not None
                 and now - self.waiting_since >= self.config.window_seconds
             )
+            if final and stop <= self.next_start:  # (no records left before `end`: retired, or a gap)
+                self.next_start = end
+                break
             if not (full or late or final) or stop <= self.next_start:
                 break
             window = Window(self.next_window, self.next_start, stop)
@@ -109,15 +114,15 @@ class WindowQueue(LeaseBook):
             self.next_start = stop
             self.waiting_since = now if end > stop else None
             cut.append(window)
-        if final:
-            self.stopping = True  # (what was cut is all there is: nothing is taken back)
+        if final and self.next_start >= end:
+            self.ended = True
         return cut
 
     # -- the protocol ----------------------------------------------------------------------
 
     def acquire(self, trainer: int, worker: str, now: float, allowed: float | None = None) -> Lease | str:
         """A lease on the next window, the same lease again if this worker holds one,
-        "wait" (no window is ready) or "stopped" (draining, and nothing is left)."""
+        "wait" (no window is ready) or "stopped" (drained, or ended, and nothing is left)."""
         self.expire(now)
         self.replaced(trainer, worker)
         if (held := self.held_by(worker)) is not None:
@@ -125,7 +130,7 @@ class WindowQueue(LeaseBook):
         lease = self.lease_next(trainer, worker, now, allowed)
         if lease is not None:
             return lease
-        return "stopped" if self.stopping and not self.pending else "wait"
+        return "stopped" if self.drained else "wait"
 
     def finish(self, lease_id: int, worker: str, records: int, applied: dict[str, Any] | None = None) -> bool:
         """Count the lease's window done (its gradients applied: `applied` says what the
@@ -156,7 +161,17 @@ class WindowQueue(LeaseBook):
 
     @property
     def drained(self) -> bool:
-        return self.stopping and not self.todo and not self.pending
+        """Stopped or ended, and every window cut is finished: nothing more will come."""
+        return (self.stopping or self.ended) and not self.todo and not self.pending
+
+    def fingerprint(self) -> tuple:
+        """What changes whenever the books do (windows cut, leased, finished, failed, given
+        back, the drain): a caller that finds it unchanged need not write them again."""
+        return (
+            self.next_window, self.next_lease, self.next_start, self.committed, len(self.todo),
+            len(self.pending), len(self.done), len(self.discarded), sum(self.failures.values()),
+            self.stopping, self.ended,
+        )  # fmt: skip
 
     def window(self, lease: Lease) -> Window:
         return self.windows[lease.task]
@@ -194,6 +209,7 @@ class WindowQueue(LeaseBook):
             "discarded_windows": self.discarded_windows,
             "records": self.records,
             "stopping": self.stopping,
+            "ended": self.ended,
         }
 
     def to_snapshot(self) -> dict[str, Any]:
@@ -217,6 +233,7 @@ class WindowQueue(LeaseBook):
             "records": self.records,
             "discarded_windows": self.discarded_windows,
             "stopping": self.stopping,
+            "ended": self.ended,
         }
 
     @classmethod
@@ -243,6 +260,7 @@ class WindowQueue(LeaseBook):
             queue.next_lease = int(snapshot["next_lease"])
             queue.records = int(snapshot["records"])
             queue.stopping = bool(snapshot["stopping"])
+            queue.ended = bool(snapshot.get("ended", False))
             queue.discarded_windows = int(snapshot["discarded_windows"])
         except (KeyError, TypeError, ValueError, Error) as e:
             raise Error(f"not a valid window snapshot: {type(e).__name__}: {e}") from None

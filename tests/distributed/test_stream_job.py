@@ -3,13 +3,16 @@
 Records arrive while the job runs; SIGTERM to the launcher drains the job: each trainer
 finishes the window in hand, its reader ends, its script writes what it read and exits,
 and the launcher exits 0. Every record before the committed offset was trained on by
-exactly one trainer, once, and none after it.
+exactly one trainer, once, and none after it. A trainer killed in the middle of a window
+loses nothing and applies nothing twice: its window goes to another trainer, and the
+pserver drops the gradients of the batches it had applied.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +30,25 @@ WINDOW = 64
 
 sys.path.insert(0, str(JOB.parent))
 from stream_job import records  # noqa: E402
+
+
+def launch(tmp_path, log: StreamLog, out: Path, *script_args: str) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "fluidps", "launch", "--stream", f"log:{log.path}", "--pservers", "1",
+        "--trainers", "2", "--mode", "async", "--log-dir", str(tmp_path / "job"), "--grace", "10",
+        str(JOB), "--out", str(out), "--window-records", str(WINDOW), *script_args,
+    ]  # fmt: skip
+    env = os.environ | {"FLUIDPS_PEER_TIMEOUT": "20", "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "launch.log", "w") as launch_log:
+        return subprocess.Popen(command, stdout=launch_log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for(proc: subprocess.Popen, log_path: Path, condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert proc.poll() is None, f"the job ended before {what}:\n{log_path.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting until {what}:\n{log_path.read_text()[-4000:]}"
+        time.sleep(0.05)
 
 
 def test_a_streaming_job_trains_each_record_once_and_drains_on_sigterm(tmp_path):
@@ -78,3 +100,43 @@ def test_a_streaming_job_trains_each_record_once_and_drains_on_sigterm(tmp_path)
     assert all(r["batches"] for r in results)  # both trainers took windows
     # async SGD on y = x W + 0.5 from every record: W is learned
     np.testing.assert_allclose(np.array(results[0]["w"]).reshape(-1), [0.5, -1.0, 2.0, 0.25], atol=0.05)
+
+
+def test_a_trainer_killed_mid_window_loses_nothing_and_applies_nothing_twice(tmp_path):
+    total, batch = 16 * WINDOW, 16
+    log = StreamLog(tmp_path / "log")
+    log.append(records(0, total, counter=True))
+    out = tmp_path / "out"
+    out.mkdir()
+    log_path = tmp_path / "launch.log"
+    proc = launch(
+        tmp_path, log, out, "--model", "counter", "--follow", "0", "--announce", "--step-sleep", "0.05",
+        "--batch-size", str(batch),
+    )  # fmt: skip
+    try:
+        # Trainer 1 is killed once it has trained on the fourth batch of a window (the
+        # three before it were applied: their SENDs went before the step that printed this).
+        def deep_in_a_window() -> bool:
+            lines = re.findall(r"\[trainer\.1\] trained on records (\d+)\.\.", log_path.read_text())
+            return any(int(first) % WINDOW >= 3 * batch for first in lines)
+
+        wait_for(proc, log_path, deep_in_a_window, "trainer 1 is four batches into a window")
+        pid = int(re.findall(r"started trainer\.1 \(pid (\d+)\)", log_path.read_text())[-1])
+        os.kill(pid, signal.SIGKILL)
+        status = proc.wait(timeout=TIMEOUT)  # (follow=0: the job ends once every window is done)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    text = log_path.read_text()
+    assert status == 0, text[-4000:]
+    assert re.search(
+        r"window \d+ \(trainer 1\) failed: trainer 1 restarted while it held the window", text
+    ), text[-4000:]
+    assert log.committed("trainers") == total
+    # Each batch's gradient is its mean x: w ends at minus their sum, exact in float32.
+    x = records(0, total, counter=True)["x"]
+    want = -sum(x[i : i + batch].mean(axis=0, dtype=np.float64) for i in range(0, total, batch))
+    got = np.array(json.loads((out / "trainer.0.json").read_text())["w"]).reshape(-1)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    assert "were applied before (the window went to another trainer)" in text, text[-4000:]

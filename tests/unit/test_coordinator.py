@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -31,8 +32,9 @@ def dataset(tmp_path) -> Dataset:
 class Running:
     """A Coordinator serving on a thread, and trainers' clients of it."""
 
-    def __init__(self, snapshot=None):
-        self.coordinator = Coordinator("tcp://127.0.0.1:0", SETTINGS, snapshot=snapshot, task_timeout=30)
+    def __init__(self, snapshot=None, **options):
+        options = {"task_timeout": 30} | options
+        self.coordinator = Coordinator("tcp://127.0.0.1:0", SETTINGS, snapshot=snapshot, **options)
         self.thread = threading.Thread(target=self.coordinator.serve_forever, daemon=True)
         self.thread.start()
         self.context = zmq.Context()
@@ -281,3 +283,75 @@ def test_a_restarted_stream_coordinator_resumes_and_commits_again(tmp_path):
         assert report(client, again) == "counted" and log.committed("trainers") == 60
     finally:
         second.stop()
+
+
+def test_sigterm_before_any_window_was_asked_for_still_drains_the_job(tmp_path):
+    log = appended(tmp_path, 90)
+    job = Running(stream=f"log:{log.path}")
+    try:
+        job.coordinator.sigterm()  # (as the signal handler does: the loop acts on it)
+        client = job.client(0, 0xA)
+        deadline = time.monotonic() + 30
+        while not job.coordinator._drain_pending:
+            assert time.monotonic() < deadline and job.thread.is_alive()
+            time.sleep(0.01)
+        reply = client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))
+        assert (reply.kind, reply.text) == (Kind.NO_TASK, "stopped") and log.committed("trainers") == 0
+        with pytest.raises(RemoteError, match="reads stream log:/elsewhere, but this job's stream is log:"):
+            client.call(Message(Kind.TASK_GET, text=window_ask("/elsewhere")))
+    finally:
+        job.stop()
+
+
+def test_a_job_that_reads_to_the_end_still_drains_on_sigterm(running, tmp_path):
+    log = appended(tmp_path, 200)
+    client = running.client(0, 0xA)
+    held = json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path, follow=False))).text)
+    running.coordinator.drain()
+    assert report(client, held) == "counted"
+    reply = client.call(Message(Kind.TASK_GET, text=window_ask(log.path, follow=False)))
+    assert reply.text == "stopped" and log.committed("trainers") == 30  # not read to its end
+
+
+def test_a_window_discarded_by_its_deadline_moves_the_streams_offset(tmp_path):
+    log = appended(tmp_path, 60)
+    job = Running(task_timeout=0.3, max_failures=0)
+    try:
+        client = job.client(0, 0xA)
+        report(client, json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text))
+        client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))  # (warm now) held, never reported
+        deadline = time.monotonic() + 30
+        while log.committed("trainers") != 60:  # discarded when its lease ran out: committed
+            assert time.monotonic() < deadline, log.committed("trainers")
+            time.sleep(0.05)
+    finally:
+        job.stop()
+
+
+def test_the_books_of_a_finished_or_overtaken_run_are_not_resumed(tmp_path):
+    log = appended(tmp_path, 60)
+    snapshot = tmp_path / "coordinator.json"
+    first = Running(snapshot)
+    try:
+        client = first.client(0, 0xA)
+        for _ in range(2):
+            report(client, json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text))
+        assert client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text == "stopped"
+    finally:
+        first.stop()
+    log.append({"x": np.arange(60, dtype=np.float32)})
+    second = Running(snapshot)  # the next run, with the same books: it reads on from offset 60
+    try:
+        client = second.client(0, 0xA)
+        window = json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+        assert (window["start"], window["stop"]) == (60, 90)
+    finally:
+        second.stop()
+    log.commit("trainers", 120)  # another run read the rest meanwhile
+    third = Running(snapshot)  # these books are behind the stream: not resumed, nothing read twice
+    try:
+        client = third.client(0, 0xA)
+        assert client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text == "stopped"
+        assert log.committed("trainers") == 120
+    finally:
+        third.stop()

@@ -156,3 +156,28 @@ def test_an_endless_stream_keeps_the_latest_discarded_windows_and_counts_the_res
     )
     back = WindowQueue.from_snapshot(json.loads(json.dumps(q.to_snapshot())), 0.0)
     assert back.status() == status
+
+
+def test_a_final_offer_cuts_to_its_end_a_few_at_a_time_then_ends():
+    q = queue(10)
+    end = 10 * CUT_AHEAD + 25
+    assert len(q.offer(end, 0.0, dense(end), final=True)) == CUT_AHEAD and not q.ended
+    leases = [q.acquire(k, f"w{k}", 0.0) for k in range(CUT_AHEAD)]
+    assert [(w.start, w.stop) for w in q.offer(end, 0.0, dense(end), final=True)] == [
+        (10 * CUT_AHEAD, 10 * CUT_AHEAD + 10), (10 * CUT_AHEAD + 10, 10 * CUT_AHEAD + 20),
+        (10 * CUT_AHEAD + 20, end),  # the last one short
+    ]  # fmt: skip
+    assert q.ended and not q.stopping and not q.drained
+    for k, lease in enumerate(leases):
+        q.finish(lease.id, f"w{k}", 10)
+    for k in range(3):
+        q.finish(q.acquire(k, f"w{k}", 0.0).id, f"w{k}", 10)
+    assert q.acquire(0, "w0", 0.0) == "stopped" and q.drained and q.committed == end
+
+
+def test_postponed_deadlines_keep_leases_a_stalled_coordinator_could_not_renew():
+    q = queue(10, timeout=5.0)
+    q.offer(20, 0.0, dense(20))
+    lease = q.acquire(0, "w0", 0.0)
+    q.postpone(10.0)  # the loop was held 10 s: nobody's renewal could be read
+    assert q.expire(12.0) == [] and q.expire(15.0) == [(lease, "requeued")]
