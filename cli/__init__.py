@@ -19,6 +19,7 @@ from fluidps.cli.launch_cmd import launch
 from fluidps.cli.place_cmd import place
 from fluidps.cli.program_cmds import dot, inspect
 from fluidps.cli.serve_cmd import keys, secret, serve
+from fluidps.cli.serve_model_cmd import serve_model
 from fluidps.cli.stream_cmd import stream
 from fluidps.cli.transpile_cmd import transpile
 
@@ -36,6 +37,7 @@ main.add_command(place)
 main.add_command(calibrate)
 main.add_command(launch)
 main.add_command(serve)
+main.add_command(serve_model)
 main.add_command(keys)
 main.add_command(secret)
 main.add_command(data)

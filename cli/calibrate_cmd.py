@@ -9,7 +9,9 @@ and each is the median of its rounds, so one slow minute does not set them."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
+import warnings
 from collections.abc import Sequence
 
 import click
@@ -21,8 +23,10 @@ from fluidps.cli.common import fail
 from fluidps.cli.stage_timing import time_stages
 from fluidps.errors import Error
 from fluidps.executor.measure.calibrate import calibrate as measure_machine
+from fluidps.executor.measure.op_profile import profile_ops
 from fluidps.executor.transport.link import measure_link
-from fluidps.transpiler.cost_model import MachineModel
+from fluidps.transpiler.cost_model import CostModel, CostModelWarning, MachineModel
+from fluidps.transpiler.partition import place_pipeline
 
 _MICRO_BATCHES = 8
 
@@ -32,13 +36,17 @@ def measure_stage_costs(model: MachineModel, steps: int = 20) -> tuple[float, fl
     its ops and messages, and on each byte of a message it sends or receives: two-stage
     jobs (`RemoteExecutor`, one process per stage) of a model too small to compute
     anything, passing 64 bytes and then 256 KiB a micro-batch; each stage's busy time a
-    micro-batch, less what `model` counts for its messages' fixed cost and its ops."""
+    micro-batch, less what `model` counts for its messages' fixed cost and what a profile
+    of the same ops (fluidps.executor.measure.op_profile, next to a neighbor as a stage
+    runs) says they take: the stage's own cost is what the model would otherwise miss,
+    measured the way the model times ops (its ops timed alone, not guessed at a fixed
+    cost each, which counted a small stage's ops twice)."""
     small = _stage_busy(4, steps)
     wide = _stage_busy(_WIDE, steps)
     nbytes = {4: _ROWS * 4 * 4, _WIDE: _ROWS * _WIDE * 4}  # float32 [rows, width], each way
     per_byte = max((wide - small) / (2 * (nbytes[_WIDE] - nbytes[4])), 0.0)  # (a message each way)
-    ops = 5  # a stage's share of the small model's ops, about
-    overhead = small - 2 * (model.send_cpu_s + per_byte * nbytes[4]) - ops * model.op_overhead_s
+    ops = statistics.mean(_stage_ops(model, 4))
+    overhead = small - 2 * (model.send_cpu_s + per_byte * nbytes[4]) - ops
     return max(overhead, 0.0), per_byte
 
 
@@ -52,29 +60,66 @@ def _stage_busy(width: int, steps: int) -> float:
     return statistics.mean(busy) / _MICRO_BATCHES
 
 
-def _two_stage_busy(
-    inputs: int, first: tuple[int, ...], second: tuple[int, ...], classes: int, rows: int, steps: int
-) -> list[float]:
-    """Each stage's busy seconds a step of x[inputs] -> relu layers `first` | relu layers
-    `second` -> fc(classes) -> loss, `rows` rows a micro-batch (RemoteExecutor, a process each)."""
+def _stage_ops(model: MachineModel, width: int) -> tuple[float, ...]:
+    """Each stage's ops' seconds a micro-batch in the job `_stage_busy(width)` times, as
+    the cost model counts them from a profile (no messages, no stage's own cost, no
+    waiting): what the stage's busy time holds besides those."""
+    main, _, feed = _two_stage_program(4, (width,), (), 2, _ROWS)
+    plain, plain_startup, _ = _two_stage_program(4, (width,), (), 2, _ROWS, pipelined=False)
+    one = {name: value[:_ROWS] for name, value in feed.items()}
+    neighbors = min(2, os.cpu_count() or 1) - 1  # (the other stage shares the host, as in the job)
+    profile = profile_ops(plain, plain_startup, one, 5, _MICRO_BATCHES, neighbors)
+    ops_only = dataclasses.replace(
+        model, stage_overhead_s=0.0, run_overhead_s=0.0, send_cpu_s=0.0, stage_byte_s=0.0, wait_factor=1.0
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CostModelWarning)  # (the loss seed's 1 / m: not in the profile)
+        placement = place_pipeline(
+            main, 2, _MICRO_BATCHES, CostModel(ops_only, profile), _ROWS * _MICRO_BATCHES
+        )
+    return placement.stage_s
+
+
+def _two_stage_program(
+    inputs: int,
+    first: tuple[int, ...],
+    second: tuple[int, ...],
+    classes: int,
+    rows: int,
+    pipelined: bool = True,
+) -> tuple[fluidps.Program, fluidps.Program, dict[str, np.ndarray]]:
+    """x[inputs] -> relu layers `first` | relu layers `second` -> fc(classes) -> loss, two
+    stages of `_MICRO_BATCHES` micro-batches of `rows` rows (or, not `pipelined`, the same
+    layers under plain SGD: what a profile runs), and a step's feed."""
     main, startup = fluidps.Program(), fluidps.Program()
     startup.random_seed = 1
     with fluidps.program_guard(main, startup):
         h = layers.data("x", [inputs])
         y = layers.data("y", [1], dtype="int64")
-        with fluidps.device_guard("stage:0"):
+        with fluidps.device_guard("stage:0" if pipelined else None):
             for width in first:
                 h = layers.fc(h, width, act="relu")
-        with fluidps.device_guard("stage:1"):
+        with fluidps.device_guard("stage:1" if pipelined else None):
             for width in second:
                 h = layers.fc(h, width, act="relu")
             loss = layers.mean(layers.softmax_with_cross_entropy(layers.fc(h, classes), y))
-        fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.SGD(0.1), _MICRO_BATCHES).minimize(loss)
+        if pipelined:
+            fluidps.optimizer.PipelineOptimizer(fluidps.optimizer.SGD(0.1), _MICRO_BATCHES).minimize(loss)
+        else:
+            fluidps.optimizer.SGD(0.1).minimize(loss)
     rng = np.random.default_rng(0)
     feed = {
         "x": rng.random((rows * _MICRO_BATCHES, inputs), np.float32),
         "y": np.zeros((rows * _MICRO_BATCHES, 1), np.int64),
     }
+    return main, startup, feed
+
+
+def _two_stage_busy(
+    inputs: int, first: tuple[int, ...], second: tuple[int, ...], classes: int, rows: int, steps: int
+) -> list[float]:
+    """Each stage's busy seconds a step of _two_stage_program's job (RemoteExecutor, a process each)."""
+    main, startup, feed = _two_stage_program(inputs, first, second, classes, rows)
     _, busy = time_stages(main, startup, [feed], steps)
     return busy
 

@@ -6,12 +6,14 @@ PaddlePaddle's own file formats (no pickle anywhere); datasets and streams of re
     fluidps.io.save_inference_model("model", ["x"], [pred], exe, main)
     program, feed_names, fetch_targets = fluidps.io.load_inference_model("model", exe)
     log = fluidps.io.StreamLog("clicks"); log.append({"ids": ids, "label": labels})
+    fluidps.io.Exporter("exports", ["x"], [pred], main).export(scope)   # a version for serving
 
 May import: fluidps.errors, fluidps.ir, fluidps.ops
 """
 
 from fluidps.io.checkpoints import merge_checkpoints
 from fluidps.io.dataset import Dataset, Field, Shard, Task
+from fluidps.io.exports import Exporter, load_export
 from fluidps.io.inference import load_inference_model, prune_for_inference, save_inference_model
 from fluidps.io.persistables import (
     is_parameter,
@@ -36,6 +38,7 @@ from fluidps.io.tensor_file import (
 __all__ = [
     "BadRecord",
     "Dataset",
+    "Exporter",
     "Field",
     "Records",
     "Shard",
@@ -45,6 +48,7 @@ __all__ = [
     "TensorReader",
     "is_parameter",
     "is_persistable",
+    "load_export",
     "load_inference_model",
     "load_params",
     "load_persistables",
