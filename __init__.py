@@ -69,9 +69,14 @@ _LAZY = {
 }
 
 
+_LAZY_MODULES = {"serving"}  # (fluidps.serving.Predictor: imported when first used)
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"fluidps.{name}")
     raise AttributeError(f"module 'fluidps' has no attribute {name!r}")
 
 
@@ -126,6 +131,7 @@ __all__ = [
     "optimizer",
     "program_guard",
     "role_from_env",
+    "serving",
     "transpile_for_role",
     "verify",
 ]

@@ -64,20 +64,31 @@ def _stage_ops(model: MachineModel, width: int) -> tuple[float, ...]:
     """Each stage's ops' seconds a micro-batch in the job `_stage_busy(width)` times, as
     the cost model counts them from a profile (no messages, no stage's own cost, no
     waiting): what the stage's busy time holds besides those."""
-    main, _, feed = _two_stage_program(4, (width,), (), 2, _ROWS)
-    plain, plain_startup, _ = _two_stage_program(4, (width,), (), 2, _ROWS, pipelined=False)
-    one = {name: value[:_ROWS] for name, value in feed.items()}
+    return _predicted_stages(model, 4, (width,), (), 2, _ROWS)[1]
+
+
+def _predicted_stages(
+    model: MachineModel, inputs: int, first: tuple[int, ...], second: tuple[int, ...], classes: int, rows: int
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(each stage's seconds a micro-batch as `model` predicts them without the waiting
+    slowdown, each stage's ops alone) for _two_stage_program's job, its ops timed by a
+    profile next to a neighbor (as the other stage runs beside it)."""
+    main, _, feed = _two_stage_program(inputs, first, second, classes, rows)
+    plain, plain_startup, _ = _two_stage_program(inputs, first, second, classes, rows, pipelined=False)
+    one = {name: value[:rows] for name, value in feed.items()}
     neighbors = min(2, os.cpu_count() or 1) - 1  # (the other stage shares the host, as in the job)
     profile = profile_ops(plain, plain_startup, one, 5, _MICRO_BATCHES, neighbors)
+    unslowed = dataclasses.replace(model, wait_factor=1.0)
     ops_only = dataclasses.replace(
-        model, stage_overhead_s=0.0, run_overhead_s=0.0, send_cpu_s=0.0, stage_byte_s=0.0, wait_factor=1.0
+        unslowed, stage_overhead_s=0.0, run_overhead_s=0.0, send_cpu_s=0.0, stage_byte_s=0.0
     )
+    placed = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CostModelWarning)  # (the loss seed's 1 / m: not in the profile)
-        placement = place_pipeline(
-            main, 2, _MICRO_BATCHES, CostModel(ops_only, profile), _ROWS * _MICRO_BATCHES
-        )
-    return placement.stage_s
+        for machine in (unslowed, ops_only):
+            cost = CostModel(machine, profile)
+            placed.append(place_pipeline(main, 2, _MICRO_BATCHES, cost, rows * _MICRO_BATCHES).stage_s)
+    return placed[0], placed[1]
 
 
 def _two_stage_program(
@@ -124,20 +135,24 @@ def _two_stage_busy(
     return busy
 
 
-def measure_wait_factor(steps: int = 20) -> float:
-    """How many times slower a pipeline stage runs when it waits for a busier peer
-    between micro-batches than when it is the slowest stage (MachineModel.wait_factor):
-    the same second stage, four layers of 256, measured behind a first stage faster than
-    it and behind one whose step takes about four times as long; the ratio of its busy
-    times, kept within 1-2 (the model's bounds: a ratio outside them is noise)."""
-    alone = _second_stage_busy((256,), steps)
-    waiting = _second_stage_busy((4096, 256), steps)
-    return min(max(waiting / alone, 1.0), 2.0) if alone > 0 else 1.0
-
-
-def _second_stage_busy(first: tuple[int, ...], steps: int) -> float:
-    """Busy seconds a step of the second stage of x[256] -> first | 4 x fc(256) -> fc(10)."""
-    return _two_stage_busy(256, first, (256,) * 4, 10, 32, steps)[1]
+def measure_wait_factor(model: MachineModel, steps: int = 20) -> float:
+    """How much slower than the model predicts it a pipeline stage runs when it waits for
+    a busier peer between micro-batches (MachineModel.wait_factor), measured against the
+    model itself: a second stage of four layers of 256 behind a first stage whose step
+    takes about four times as long; its busy time a micro-batch, less what `model`
+    charges it besides its ops (its own cost, its messages), over its ops as the profile
+    times them (next to a neighbor), is the slowdown 1 + (f - 1)(1 - t / T) the model
+    applies (t / T: its busy time over the first stage's); f is kept within 1-2. (Its
+    ratio to the same stage measured alone, the first measure, counted twice what the
+    profile's neighbor already holds.)"""
+    first, second = (4096, 256), (256,) * 4
+    busy = [b / _MICRO_BATCHES for b in _two_stage_busy(256, first, second, 10, 32, steps)]
+    predicted, ops = _predicted_stages(model, 256, first, second, 10, 32)
+    if ops[1] <= 0 or busy[0] <= busy[1]:
+        return 1.0
+    slowdown = (busy[1] - (predicted[1] - ops[1])) / ops[1]
+    factor = 1 + (slowdown - 1) / (1 - busy[1] / busy[0])
+    return min(max(factor, 1.0), 2.0)
 
 
 # MachineModel's fields that a round measures: those charged to every micro-batch or message.
@@ -159,13 +174,14 @@ def measure_round(model: MachineModel, calls: int = 40, steps: int = 20, link: d
         model, alpha_s=link["alpha_s"], beta_s=link["beta_s"], send_cpu_s=link["send_cpu_s"]
     )
     overhead, per_byte = measure_stage_costs(now, steps)
+    stage = dataclasses.replace(now, stage_overhead_s=overhead, stage_byte_s=per_byte)
     return {
         "alpha_s": now.alpha_s,
         "beta_s": now.beta_s,
         "send_cpu_s": now.send_cpu_s,
         "stage_overhead_s": overhead,
         "stage_byte_s": per_byte,
-        "wait_factor": measure_wait_factor(steps),
+        "wait_factor": measure_wait_factor(stage, steps),
         "round_trips": link["round_trips"],
     }
 

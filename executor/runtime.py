@@ -189,9 +189,9 @@ class Runtime:
         return False
 
     def _settle_sends(self) -> None:
-        """Wait until the pservers acknowledged every gradient this trainer sent."""
+        """Wait until the pservers acknowledged every gradient this trainer computed."""
         if self._trainer is not None:
-            self._trainer.settle()
+            self._trainer.deliver_all()
 
     def _coordinator_source(self, address: str, request: dict[str, Any]) -> TaskSource | WindowSource:
         """A reader's tasks from the coordinator: a dataset's, or a stream's windows."""

@@ -16,20 +16,26 @@ SelectedRows). `LATEST` names the newest version. A version is written into a
 temporary directory, synced and renamed into place, and only then named in LATEST: a
 reader sees whole versions or none.
 
-Every `base_every` versions the exporter writes a base instead of a delta; the chains
-before the previous base are then deleted (a reader still loading one has the chain
-after it). Loading checks every file against its manifest: a damaged version raises
-SerializationError naming the file, and nothing of it is used.
+Every `base_every` versions the exporter writes a base instead of a delta (and whenever
+the newest version is not the one it wrote last: another writer's); the chains before
+the previous base are then deleted (a reader still loading one has the chain after it).
+Writers take turns (a lock file); a version a writer renamed into place but died
+before naming in LATEST is deleted by the next one. Loading checks every file against
+its manifest: a damaged version raises SerializationError naming the file, and nothing
+of it is used.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +91,8 @@ class Exporter:
         )
         self.program_bytes = self.program.serialize_to_string()
         self.program_sha = hashlib.sha256(self.program_bytes).hexdigest()
-        self._last: dict[str, np.ndarray] | None = None  # what the newest version holds
+        self._last: dict[str, np.ndarray] | None = None  # what the version it wrote last holds
+        self._written: int | None = None  # that version
         self._since_base = 0
 
     @property
@@ -97,9 +104,16 @@ class Exporter:
         base when this exporter wrote none yet (it does not trust what it did not write)
         or every `base_every` versions; else a delta from the version before."""
         current = {name: _array(name, _lookup(values, name)) for name in self.names}
+        with _exclusive(self.directory):
+            return self._export(current)
+
+    def _export(self, current: dict[str, np.ndarray]) -> int:
         self._write_program()
-        version = (self.latest or 0) + 1
-        base = self._last is None or self._since_base + 1 >= self.base_every
+        latest = self.latest
+        _drop_unpublished(self.directory, latest or 0)  # (a writer that died before naming them)
+        version = (latest or 0) + 1
+        # A delta only on what this exporter wrote last: another writer's version is not its parent.
+        base = self._last is None or latest != self._written or self._since_base + 1 >= self.base_every
         if base:
             entries = {name: ("whole", value) for name, value in current.items()}
         else:
@@ -117,7 +131,7 @@ class Exporter:
             "vars": {},
         }
         final = self.directory / VERSIONS_DIR / f"{version:08d}"
-        staging = final.with_name(f".{final.name}.tmp")
+        staging = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         for index, (name, (encoding, value)) in enumerate(sorted(entries.items())):
@@ -137,9 +151,13 @@ class Exporter:
         fsync_dir(str(final.parent))
         write_atomic(str(self.directory / LATEST), [json.dumps({"version": version}).encode()])
         self._last = {name: value.copy() for name, value in current.items()}
+        self._written = version
         self._since_base = 0 if base else self._since_base + 1
         if base:
-            _release(self.directory, version)
+            try:
+                _release(self.directory, version)
+            except (OSError, SerializationError) as e:  # (the version is out: a leftover is no failure)
+                print(f"export {version}: older versions were not all released: {e}", file=sys.stderr)
         return version
 
     def _write_program(self) -> None:
@@ -261,12 +279,14 @@ def _apply(directory: str | os.PathLike, version: int, values: dict[str, np.ndar
                 values[name] = value.astype(dtype, copy=False).reshape(shape)
             elif entry["encoding"] == "rows" and name in values:
                 rows = selected_rows_from_bytes(data, str(path))
-                table = values[name]
+                table, index = values[name], np.asarray(rows.rows)
                 if table.shape != shape or rows.height != shape[0] or rows.value.shape[1:] != shape[1:]:
                     raise SerializationError(
                         f"{path}: rows of a {list(shape)} table do not fit {list(table.shape)}"
                     )
-                table[np.asarray(rows.rows)] = rows.value
+                if len(index) and (index.min() < 0 or index.max() >= shape[0]):
+                    raise SerializationError(f"{path}: row indices outside 0..{shape[0] - 1}")
+                table[index] = rows.value.astype(table.dtype, copy=False)
             else:
                 raise SerializationError(
                     f"{path}: encoding {entry['encoding']!r} for {name!r} cannot be applied"
@@ -276,17 +296,20 @@ def _apply(directory: str | os.PathLike, version: int, values: dict[str, np.ndar
 
 
 def _changed(value: np.ndarray, last: np.ndarray) -> tuple[str, Any] | None:
-    """What a delta holds of a variable: None (unchanged), its rows, or the whole of it."""
-    if value.shape != last.shape:
+    """What a delta holds of a variable: None (unchanged), its rows, or the whole of it.
+    Values compare by their bytes (-0.0 is not 0.0, a NaN equals itself)."""
+    if value.shape != last.shape or value.dtype != last.dtype:
         return "whole", value
-    if value.ndim >= 2:
-        rows = np.flatnonzero((value != last).reshape(value.shape[0], -1).any(axis=1))
+    if value.ndim >= 2 and value.shape[0] > 0:
+        n = value.shape[0]
+        differs = value.view(np.uint8).reshape(n, -1) != last.view(np.uint8).reshape(n, -1)
+        rows = np.flatnonzero(differs.any(axis=1))
         if not len(rows):
             return None
         if len(rows) < ROWS_FRACTION * value.shape[0]:
             return "rows", SelectedRows(rows.astype(np.int64), value[rows], value.shape[0])
         return "whole", value
-    return None if np.array_equal(value, last) else ("whole", value)
+    return None if value.tobytes() == last.tobytes() else ("whole", value)
 
 
 def _lookup(values: Scope | Mapping[str, Any], name: str) -> Any:
@@ -305,6 +328,28 @@ def _array(name: str, value: Any) -> np.ndarray:
             "the pservers, and exports of it are not built yet"
         )
     return np.ascontiguousarray(value)
+
+
+@contextlib.contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """One writer of `directory` at a time (an advisory lock on `.export.lock`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".export.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _drop_unpublished(directory: Path, latest: int) -> None:
+    """Delete versions past LATEST: a writer renamed them into place and died before
+    naming them, so no reader has seen them."""
+    folder = directory / VERSIONS_DIR
+    if folder.is_dir():
+        for path in folder.iterdir():
+            if path.name.isdigit() and int(path.name) > latest:
+                shutil.rmtree(path)
 
 
 def _release(directory: Path, base: int) -> None:

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fluidps.errors import Error
+from fluidps.errors import Error, FeedError
 from fluidps.serving.predictor import Predictor
 
 MAX_BODY_BYTES = 64 << 20  # a request larger than this is refused before it is parsed
@@ -72,19 +72,23 @@ def create_app(predictor: Predictor, poll_s: float = 1.0) -> Starlette:
     async def predict(request: Request) -> Response:
         started = time.perf_counter()
         try:
-            body = await request.body()
-            if len(body) > MAX_BODY_BYTES:
-                raise ValueError(f"the request is {len(body):,} bytes, more than {MAX_BODY_BYTES:,}")
-            inputs = _inputs(body)
+            inputs = _inputs(await _body(request))
             version, outputs = await run_in_threadpool(predictor.predict_version, inputs)
-        except (ValueError, Error) as e:
+        except (ValueError, FeedError) as e:  # (the request's fault)
             metrics.requests.labels("refused").inc()
             return JSONResponse({"error": str(e)}, status_code=400)
+        except Error as e:  # (the model's or the server's)
+            metrics.requests.labels("failed").inc()
+            return JSONResponse({"error": f"the model failed on this request: {e}"}, status_code=500)
+        bad = [k for k, v in outputs.items() if not np.all(np.isfinite(v))]
+        if bad:
+            metrics.requests.labels("failed").inc()
+            error = f"version {version}'s outputs {bad} hold NaN or infinity, which JSON cannot carry"
+            return JSONResponse({"error": error}, status_code=500)
         metrics.requests.labels("answered").inc()
         metrics.latency.observe(time.perf_counter() - started)
-        return JSONResponse(
-            {"version": version, "outputs": {k: np.asarray(v).tolist() for k, v in outputs.items()}}
-        )
+        outputs_json = {k: np.asarray(v).tolist() for k, v in outputs.items()}
+        return JSONResponse({"version": version, "outputs": outputs_json})
 
     async def healthz(request: Request) -> Response:
         return JSONResponse(
@@ -97,17 +101,21 @@ def create_app(predictor: Predictor, poll_s: float = 1.0) -> Starlette:
     async def watch() -> None:
         while True:
             await asyncio.sleep(poll_s)
-            before = predictor.version
-            swapped = await run_in_threadpool(predictor.refresh)
+            before, refused = predictor.version, predictor.refused
+            try:
+                swapped = await run_in_threadpool(predictor.refresh)
+            except Exception as e:  # (the watch must outlive any one look: /healthz says why)
+                predictor.last_error = f"looking for a new version failed: {type(e).__name__}: {e}"
+                print(predictor.last_error, flush=True)
+                continue
             if swapped:
                 metrics.swaps.inc()
                 metrics.version.set(predictor.version)
                 print(f"serving version {predictor.version} (was {before})", flush=True)
-            elif predictor.last_error is not None:
+            elif predictor.refused != refused:
                 metrics.refused.inc()
-                print(
-                    f"a new version was refused, still serving {before}: {predictor.last_error}", flush=True
-                )
+                refusal = f"version {predictor.refused} was refused, still serving {before}"
+                print(f"{refusal}: {predictor.last_error}", flush=True)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -125,6 +133,34 @@ def create_app(predictor: Predictor, poll_s: float = 1.0) -> Starlette:
         Route("/metrics", metrics_text, methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body, refused past MAX_BODY_BYTES before it is all read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ValueError(f"the request is {int(declared):,} bytes, more than {MAX_BODY_BYTES:,}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ValueError(f"the request is more than {MAX_BODY_BYTES:,} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body, refused past MAX_BODY_BYTES before it is all read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ValueError(f"the request is {int(declared):,} bytes, more than {MAX_BODY_BYTES:,}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ValueError(f"the request is more than {MAX_BODY_BYTES:,} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _inputs(body: bytes) -> dict[str, Any]:

@@ -25,7 +25,8 @@ from fluidps.errors import FeedError, SerializationError
 from fluidps.executor.executor import Executor
 from fluidps.executor.scope import Scope
 from fluidps.io.exports import latest_version, load_export, load_program
-from fluidps.ir.program import Program
+from fluidps.ir.operator import Operator
+from fluidps.ir.program import Block, Program
 from fluidps.ir.types import to_numpy_dtype
 
 
@@ -53,6 +54,7 @@ class Predictor:
         self._run_lock = threading.Lock()  # (one executor: predictions take turns)
         self._refresh_lock = threading.Lock()
         self.last_error: str | None = None
+        self.refused: int | None = None  # the newest version refused (not tried again)
         self._served = self._load(version)
 
     @property
@@ -86,9 +88,16 @@ class Predictor:
         for name in self.feed_names:
             dtype = np.dtype(to_numpy_dtype(block.var(name).dtype))
             try:
-                arrays[name] = np.asarray(feed[name], dtype=dtype)
-            except (TypeError, ValueError) as e:
-                raise FeedError(f"input {name!r} does not convert to {dtype}: {e}") from None
+                given = np.asarray(feed[name])
+            except (TypeError, ValueError) as e:  # (ragged nested lists)
+                raise FeedError(f"input {name!r} is not an array of numbers: {e}") from None
+            if given.dtype.kind not in "biuf":
+                raise FeedError(
+                    f"input {name!r} holds {given.dtype} values (null, text or ragged rows): numbers only"
+                )
+            if given.dtype.kind == "f" and dtype.kind in "biu" and not np.all(np.mod(given, 1) == 0):
+                raise FeedError(f"input {name!r} is {dtype}: it holds fractions, which would be cut off")
+            arrays[name] = given.astype(dtype)
         return arrays
 
     def refresh(self) -> bool:
@@ -98,11 +107,11 @@ class Predictor:
         with self._refresh_lock:
             try:
                 newest = latest_version(self.directory)
-                if newest is None or newest <= self._served.version:
+                if newest is None or newest <= self._served.version or newest == self.refused:
                     return False
                 self._served = self._load(newest, self._served)
             except SerializationError as e:
-                self.last_error = str(e)
+                self.last_error, self.refused = str(e), newest
                 return False
             self.last_error = None
             return True
@@ -116,5 +125,5 @@ class Predictor:
         return Served(loaded, values, scope)
 
 
-def _ops(block, op_type: str) -> list:
+def _ops(block: Block, op_type: str) -> list[Operator]:
     return [op for op in block.ops if op.type == op_type]

@@ -90,10 +90,10 @@ class MachineModel:
     own time (encoding or decoding, copying; stage_byte_s as a stage process pays it,
     beta_s when not measured): the rest of alpha_s is waiting, which a pipeline overlaps
     with other micro-batches' work once it is full. `wait_factor`: how many times slower a stage
-    runs when it waits for a busier peer between micro-batches than when it is the one
-    the others wait for (its core goes idle, the busy peer empties the caches they
-    share; measured by two pipeline jobs, 1.0-1.7 on the development host; 1 when not
-    measured, at most 2): the ops of a stage of time t in a step whose slowest stage
+    runs when it waits for a busier peer between micro-batches than its profiled ops say
+    (its core goes idle, the busy peer empties the caches they share; measured by
+    `fluidps calibrate` against this model's own prediction of a waiting stage; 1 when
+    not measured, at most 2): the ops of a stage of time t in a step whose slowest stage
     takes T count (1 + (wait_factor - 1) * (1 - t / T)) times their time, so the slowest
     stage keeps its time and none overtakes it. (A stage's own cost a micro-batch and its
     messages' are not slowed: they were measured in jobs whose stages wait too.)"""

@@ -43,7 +43,7 @@ import numpy as np
 
 from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
 from fluidps.executor.ps import pserver_stats, pulls, sigterm
-from fluidps.executor.ps.applied_batches import AppliedBatches, parse_tag
+from fluidps.executor.ps.applied_batches import AppliedBatches, BatchKey, parse_tag
 from fluidps.executor.ps.checkpointer import Checkpointer
 from fluidps.executor.ps.claims import WaitingClaims
 from fluidps.executor.ps.gradients import GradientSpec, RowLog
@@ -333,7 +333,8 @@ class ParameterServer:
             self.log(f"refused trainer {msg.trainer_id}'s SEND of its step {msg.step}: {'; '.join(wrong)}")
             self.server.error(request, f"{self.name} refused gradients: {'; '.join(wrong)}")
             return
-        tensors = msg.tensors if tag is None else self._fresh(msg, tag)
+        # (a sync round may leave an evicted trainer's gradients out: there, at least once)
+        tensors = msg.tensors if tag is None or self.spec.mode == "sync" else self._fresh(msg, tag)
         for grad, value in tensors.items():
             if isinstance(value, SelectedRows):
                 self.received_rows.setdefault(grad, RowLog()).add(value.rows)
@@ -352,12 +353,12 @@ class ParameterServer:
         if msg.barrier:
             self.strategy.on_barrier(msg.trainer_id, msg.step)
 
-    def _fresh(self, msg: Message, tag: tuple[int, int]) -> dict[str, Any]:
+    def _fresh(self, msg: Message, tag: BatchKey) -> dict[str, Any]:
         """The gradients of a SEND of stream batch `tag` not applied before (applied_batches.py)."""
         keep, dropped = self.applied_batches.fresh(tag, list(msg.tensors))
         if dropped:
             self.log(
-                f"trainer {msg.trainer_id}'s gradients of batch {tag[1]} of the stream window at offset {tag[0]} "
+                f"trainer {msg.trainer_id}'s gradients of the batch at offset {tag[2]} of the stream window at {tag[1]} "
                 f"were applied before (the window went to another trainer): {len(dropped)} dropped"
             )
         return {name: msg.tensors[name] for name in keep}

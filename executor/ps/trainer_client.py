@@ -475,6 +475,17 @@ class TrainerClient:
         self._sums.clear()
         return problems
 
+    def deliver_all(self) -> None:
+        """Everything this trainer computed at the pservers, acknowledged: the gradients
+        summed for send_interval, what the communicator holds, every SEND in flight (a
+        stream's window counts as done only after this)."""
+        problems = self.flush()
+        if problems:
+            raise TransportError("; ".join(problems))
+        if self._communicator is not None:
+            self._communicator.drain()
+        self.settle()
+
     def close(self, leaving: bool = False) -> list[str]:
         """Tell every pserver this trainer is done (or, `leaving` an elastic job before the
         end of its data, that it pauses: a restarted process takes its place), close the

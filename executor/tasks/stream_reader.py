@@ -17,7 +17,8 @@ reader skips them and says so, once per window.
 
 A window whose trainer died goes to another, which reads it from its first record. So
 that the batches the first one pushed are not applied twice, the step's SENDs name the
-stream batch it trained on (`batch_tag`: the window's start and the batch's index) and
+stream batch it trained on (`batch_tag`: the stream, the window's start and the batch's
+first offset) and
 each pserver applies a batch's gradients once (fluidps.executor.ps.applied_batches);
 before a window is reported done, the reader waits until every gradient sent was
 acknowledged.
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from fluidps.errors import EOFException, NoDataYet, StreamError
-from fluidps.executor.ps.applied_batches import batch_tag
+from fluidps.executor.ps.applied_batches import batch_tag, stream_id
 from fluidps.executor.tasks.stream_windows import StreamWindows
 from fluidps.executor.tasks.task_reader import LossTally
 from fluidps.executor.tasks.window_queue import WindowConfig
@@ -111,7 +112,8 @@ class StreamReader:
         self.exhausted = False
         self._stopping = False  # (set by stop(), maybe in a signal handler: acted on at the next ask)
         self._poll_s = WAIT_POLL_S
-        self.batch_tag: str | None = None  # the batch handed out last, as its step's SENDs name it
+        self.batch_tag: str | None = None  # the batch of the step running now, as its SENDs name it
+        self._stream_id = stream_id(spec.source, spec.group)
 
     @property
     def last_batch(self) -> int:
@@ -153,8 +155,10 @@ class StreamReader:
             self._records = self._read_window(got)
 
     def observe(self, fetched: list[Any]) -> None:
-        """After a step: its first scalar floating fetch counts as this batch's loss."""
+        """After a step: its first scalar floating fetch counts as this batch's loss (and
+        the step's SENDs are behind: no other program's SEND names this batch)."""
         self._losses.observe(fetched, self._batch)
+        self.batch_tag = None
 
     def fail_current(self, reason: str) -> None:
         """The step using this window's batch failed: the window goes back (or is discarded)."""
@@ -172,6 +176,7 @@ class StreamReader:
         if self._lease is not None and self._source is not None:
             lease, self._lease = self._lease, None
             if self._records is not None and self._cursor >= len(self._records):
+                self._readers.settle()  # (its gradients acknowledged before it counts as done)
                 self._source.finish(lease, self._cursor, self._losses.mean())
             else:
                 self._source.release(lease)
@@ -212,7 +217,7 @@ class StreamReader:
     def _take(self, count: int, source: WindowSource) -> dict[str, np.ndarray]:
         records, start = self._records, self._cursor
         assert records is not None and self._lease is not None
-        self.batch_tag = batch_tag(self._lease.start, start // self.spec.batch_size)
+        self.batch_tag = batch_tag(self._stream_id, self._lease.start, int(records.offsets[start]))
         self._cursor += count
         self._batch = count
         self.records_read += count

@@ -133,3 +133,38 @@ def test_exports_of_another_program_or_a_broken_manifest_are_refused(tmp_path):
         load_export(tmp_path / "exports")
     with pytest.raises(SerializationError, match="holds no export yet"):
         load_export(tmp_path / "empty")
+
+
+def test_a_version_a_dead_writer_never_named_is_replaced_and_a_second_writer_starts_a_base(tmp_path):
+    values = {"w": np.zeros((4, 2), np.float32)}
+    main, startup = fluidps.Program(), fluidps.Program()
+    with fluidps.program_guard(main, startup):
+        x = layers.data("x", [4])
+        out = layers.fc(x, 2, param_attr=fluidps.ParamAttr(name="w"), bias_attr=False)
+    first = Exporter(tmp_path / "exports", ["x"], [out], main)
+    first.export(values)
+    orphan = tmp_path / "exports" / VERSIONS_DIR / "00000002"
+    orphan.mkdir()  # renamed into place, never named in LATEST (its writer died)
+    values["w"][0, 0] = -0.0  # a change only the bytes show
+    assert first.export(values) == 2 and read_manifest(tmp_path / "exports", 2)["kind"] == "delta"
+    assert np.signbit(load_export(tmp_path / "exports")[1]["w"][0, 0])
+    second = Exporter(tmp_path / "exports", ["x"], [out], main)
+    values["w"][1] = 5.0
+    assert second.export(values) == 3 and read_manifest(tmp_path / "exports", 3)["kind"] == "base"
+    values["w"][2] = 7.0
+    assert first.export(values) == 4  # the newest is not first's own: a base, not a delta on 2
+    assert read_manifest(tmp_path / "exports", 4)["kind"] == "base"
+    np.testing.assert_array_equal(load_export(tmp_path / "exports")[1]["w"], values["w"])
+
+
+def test_a_predictor_refuses_inputs_that_would_change_on_the_way(tmp_path):
+    main, startup, _test, prob, _loss = ctr_model()
+    exe, scope = fluidps.Executor(), fluidps.Scope()
+    exe.run(startup, scope=scope)
+    Exporter(tmp_path / "exports", ["ids"], [prob], main).export(scope)
+    predictor = Predictor(tmp_path / "exports")
+    with pytest.raises(FeedError, match="holds fractions, which would be cut off"):
+        predictor.predict({"ids": [[1.5, 2.0]]})
+    with pytest.raises(FeedError, match="null, text or ragged rows"):
+        predictor.predict({"ids": [[1, None]]})
+    assert predictor.predict({"ids": [[1.0, 2.0]]})[prob.name].shape == (1, 2)  # whole numbers are fine
