@@ -89,14 +89,14 @@ class Recorder:
         self.gets: list[tuple[int, list[tuple[str, str]], list[Any]]] = []
         push, pull = runtime._push, runtime._pull
 
-        def recording_push(items, trainer_id, bucket_bytes=0):
+        def recording_push(items, trainer_id, bucket_bytes=0, tag=None):
             # A send op per gradient: one step's pushes make one entry.
             pushed = [(ep, n, copy_value(v)) for ep, n, v in items]
             if self.sends and self.sends[-1][0] == runtime.step:
                 self.sends[-1][1].extend(pushed)
             else:
                 self.sends.append((runtime.step, pushed))
-            return push(items, trainer_id, bucket_bytes)
+            return push(items, trainer_id, bucket_bytes, tag)
 
         def recording_pull(items, trainer_id):
             values = pull(items, trainer_id)
