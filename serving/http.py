@@ -149,20 +149,6 @@ async def _body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _body(request: Request) -> bytes:
-    """The request's body, refused past MAX_BODY_BYTES before it is all read."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ValueError(f"the request is {int(declared):,} bytes, more than {MAX_BODY_BYTES:,}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ValueError(f"the request is more than {MAX_BODY_BYTES:,} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _inputs(body: bytes) -> dict[str, Any]:
     try:
         parsed = json.loads(body)

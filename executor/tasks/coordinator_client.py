@@ -83,85 +83,78 @@ _TASK_REPLY = {
 }
 
 
-class CoordinatorSource:
-    """Tasks from the job's coordinator."""
+class _Leases:
+    """What a trainer's reader tells the coordinator about the lease it holds (a task's or
+    a window's: both carry `lease`)."""
 
     def __init__(self, client: CoordinatorClient, request: dict[str, Any]):
         self.client = client
         self.request = request
 
-    def acquire(self) -> TaskLease | str:
+    def finish(self, lease: TaskLease | WindowLease, samples: int, loss: float | None) -> None:
+        self.client.call(Kind.TASK_DONE, {"lease": lease.lease, "samples": samples, "loss": loss})
+
+    def fail(self, lease: TaskLease | WindowLease, reason: str) -> None:
+        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": reason})
+
+    def release(self, lease: TaskLease | WindowLease) -> None:
+        # Given back as a failure the coordinator can count: it cannot tell a trainer that
+        # stops early from one that stops because of the task.
+        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": "its trainer stopped early"})
+
+    def renew(self, lease: TaskLease | WindowLease) -> bool:
+        """Keep the lease; False when it is no longer this trainer's."""
+        return self.client.call(Kind.TASK_RENEW, {"lease": lease.lease}).text == "renewed"
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _ask(self, what: str, done: tuple[str, ...]) -> Message | str:
+        """The coordinator's answer to TASK_GET: a TASK message, or one of `done` ("wait", ...)."""
         reply = self.client.call(Kind.TASK_GET, self.request)
-        if reply.kind == Kind.NO_TASK and reply.text in ("wait", "finished"):
+        if reply.kind == Kind.NO_TASK and reply.text in done:
             return reply.text
         if reply.kind != Kind.TASK:
             raise Error(
-                f"the coordinator answered a task request with {reply.kind_name} {reply.text[:200]!r}"
+                f"the coordinator answered a {what} request with {reply.kind_name} {reply.text[:200]!r}"
             )
+        return reply
+
+
+class CoordinatorSource(_Leases):
+    """Tasks from the job's coordinator."""
+
+    def acquire(self) -> TaskLease | str:
+        reply = self._ask("task", ("wait", "finished"))
+        if isinstance(reply, str):
+            return reply
         f = json_fields(reply.text, _TASK_REPLY)
         if not (0 <= f["start"] <= f["stop"]) or f["timeout"] <= 0:
             raise Error(f"the coordinator sent an invalid task {reply.text!r}")
         return TaskLease(f["lease"], f["task"], f["shard"], f["start"], f["stop"], f["pass"], f["timeout"])
 
-    def finish(self, lease: TaskLease, samples: int, loss: float | None) -> None:
-        self.client.call(Kind.TASK_DONE, {"lease": lease.lease, "samples": samples, "loss": loss})
-
-    def fail(self, lease: TaskLease, reason: str) -> None:
-        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": reason})
-
-    def release(self, lease: TaskLease) -> None:
-        # Given back as a failure the coordinator can count: it cannot tell a trainer that
-        # stops early from one that stops because of the task.
-        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": "its trainer stopped early"})
-
-    def renew(self, lease: TaskLease) -> None:
-        self.client.call(Kind.TASK_RENEW, {"lease": lease.lease})
-
-    def close(self) -> None:
-        self.client.close()
-
 
 _WINDOW_REPLY = {"lease": int, "window": int, "start": int, "stop": int, "attempt": int, "timeout": float}
 
 
-class CoordinatorWindows:
+class CoordinatorWindows(_Leases):
     """A stream's windows from the job's coordinator. `stop` drains this trainer only:
     it finishes the window in hand, then asks for no more (the job goes on without it)."""
 
     def __init__(self, client: CoordinatorClient, request: dict[str, Any]):
-        self.client = client
-        self.request = request
+        super().__init__(client, request)
         self.stopping = False
 
     def acquire(self) -> WindowLease | str:
         if self.stopping:
             return "stopped"
-        reply = self.client.call(Kind.TASK_GET, self.request)
-        if reply.kind == Kind.NO_TASK and reply.text in ("wait", "stopped"):
-            return reply.text
-        if reply.kind != Kind.TASK:
-            raise Error(
-                f"the coordinator answered a window request with {reply.kind_name} {reply.text[:200]!r}"
-            )
+        reply = self._ask("window", ("wait", "stopped"))
+        if isinstance(reply, str):
+            return reply
         f = json_fields(reply.text, _WINDOW_REPLY)
         if not (0 <= f["start"] < f["stop"]) or f["timeout"] <= 0:
             raise Error(f"the coordinator sent an invalid window {reply.text!r}")
         return WindowLease(f["lease"], f["window"], f["start"], f["stop"], f["attempt"], f["timeout"])
 
-    def finish(self, lease: WindowLease, records: int, loss: float | None) -> None:
-        self.client.call(Kind.TASK_DONE, {"lease": lease.lease, "samples": records, "loss": loss})
-
-    def fail(self, lease: WindowLease, reason: str) -> None:
-        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": reason})
-
-    def release(self, lease: WindowLease) -> None:
-        self.client.call(Kind.TASK_FAILED, {"lease": lease.lease, "reason": "its trainer stopped early"})
-
-    def renew(self, lease: WindowLease) -> bool:
-        return self.client.call(Kind.TASK_RENEW, {"lease": lease.lease}).text == "renewed"
-
     def stop(self) -> None:
         self.stopping = True
-
-    def close(self) -> None:
-        self.client.close()

@@ -71,7 +71,7 @@ class TaskSource(Protocol):
 
     def release(self, lease: TaskLease) -> None: ...
 
-    def renew(self, lease: TaskLease) -> None: ...
+    def renew(self, lease: TaskLease) -> bool: ...  # False: the lease is no longer this trainer's
 
     def close(self) -> None: ...
 
@@ -241,8 +241,8 @@ class LocalSource:
     def release(self, lease: TaskLease) -> None:
         self.queue.release(lease.lease, "local")
 
-    def renew(self, lease: TaskLease) -> None:
-        pass  # nothing expires in this process
+    def renew(self, lease: TaskLease) -> bool:
+        return True  # nothing expires in this process
 
     def close(self) -> None:
         pass
