@@ -299,11 +299,11 @@ class Coordinator:
                 "without the books of the run that read it this way)"
             )
         windows, worker = self.windows, f"{msg.sender:x}"
+        before = windows.queue.fingerprint()  # (a restarted trainer's window failing changes the books too)
         for lease, outcome in windows.queue.replaced(msg.trainer_id, worker):
             self._report_failure(
                 lease, f"trainer {msg.trainer_id} restarted while it held the window", outcome
             )
-        before = windows.queue.fingerprint()
         got = windows.acquire(msg.trainer_id, worker, time.monotonic(), self._allowance(msg))
         if windows.queue.fingerprint() != before:  # (a reader waiting for records changes nothing)
             self._save()

@@ -90,8 +90,6 @@ class StreamWindows:
             queue = WindowQueue.from_snapshot(snapshot["queue"], time.monotonic())
         except (KeyError, TypeError) as e:
             raise Error(f"not a valid stream snapshot: {type(e).__name__}: {e}") from None
-        windows = cls(source, queue, follow, through)
-        if source.committed(queue.config.group) < queue.committed:
-            windows._committed = -1  # (commit again)
-            windows.commit()
-        return windows
+        if source.committed(queue.config.group) < queue.committed:  # (a crash came between the two)
+            source.commit(queue.config.group, queue.committed)
+        return cls(source, queue, follow, through)
