@@ -16,6 +16,13 @@ SelectedRows). `LATEST` names the newest version. A version is written into a
 temporary directory, synced and renamed into place, and only then named in LATEST: a
 reader sees whole versions or none.
 
+A version can say which records of its training streams it holds: `export(scope,
+offsets={"log:/data/clicks": 1200})` records in its manifest that every record before
+offset 1200 of that stream was trained on before the values were read (a trainer passes
+its consumer group's committed offset, read after the window's commit and before the
+export); `stream_offsets(directory, version)` reads them back. A record at offset o is
+then in version v, and in every later one, when o < stream_offsets(directory, v)[stream].
+
 Every `base_every` versions the exporter writes a base instead of a delta (and whenever
 the newest version is not the one it wrote last: another writer's); the chains before
 the previous base are then deleted (a reader still loading one has the chain after it).
@@ -99,15 +106,19 @@ class Exporter:
     def latest(self) -> int | None:
         return latest_version(self.directory)
 
-    def export(self, values: Scope | Mapping[str, Any]) -> int:
+    def export(self, values: Scope | Mapping[str, Any], offsets: Mapping[str, int] | None = None) -> int:
         """Write the next version from `values` (a scope, or name -> array); returns it. A
         base when this exporter wrote none yet (it does not trust what it did not write)
-        or every `base_every` versions; else a delta from the version before."""
+        or every `base_every` versions; else a delta from the version before. `offsets`:
+        by stream (its spec, as `layers.stream_reader` names it), the offset before which
+        every record was trained on in `values` (e.g. the consumer group's committed
+        offset), kept in the manifest (see stream_offsets)."""
+        covered = _checked_offsets(offsets, "export: offsets")
         current = {name: _array(name, _lookup(values, name)) for name in self.names}
         with _exclusive(self.directory):
-            return self._export(current)
+            return self._export(current, covered)
 
-    def _export(self, current: dict[str, np.ndarray]) -> int:
+    def _export(self, current: dict[str, np.ndarray], offsets: dict[str, int] | None = None) -> int:
         self._write_program()
         latest = self.latest
         _drop_unpublished(self.directory, latest or 0)  # (a writer that died before naming them)
@@ -130,6 +141,8 @@ class Exporter:
             "created": time.time(),
             "vars": {},
         }
+        if offsets is not None:
+            manifest["offsets"] = offsets
         final = self.directory / VERSIONS_DIR / f"{version:08d}"
         staging = final.with_name(f".{final.name}.{os.getpid()}.tmp")
         shutil.rmtree(staging, ignore_errors=True)
@@ -229,6 +242,12 @@ def load_export(
     return version, values
 
 
+def stream_offsets(directory: str | os.PathLike, version: int) -> dict[str, int]:
+    """What version `version` holds of its training streams, by stream: every record
+    before the offset was trained on (Exporter.export's `offsets`; {} when not given)."""
+    return dict(read_manifest(directory, version).get("offsets", {}))
+
+
 def read_manifest(directory: str | os.PathLike, version: int) -> dict[str, Any]:
     path = Path(directory) / VERSIONS_DIR / f"{version:08d}" / MANIFEST
     try:
@@ -249,7 +268,22 @@ def read_manifest(directory: str | os.PathLike, version: int) -> dict[str, Any]:
     )
     if not ok:
         raise SerializationError(f"{path} is not a version {version} manifest of format {FORMAT}")
+    if "offsets" in manifest:
+        _checked_offsets(manifest["offsets"], f"{path}: 'offsets'")
     return manifest
+
+
+def _checked_offsets(offsets: Any, where: str) -> dict[str, int] | None:
+    """`offsets` as a manifest keeps them (stream -> offset >= 0, sorted), or a
+    SerializationError saying what is wrong."""
+    if offsets is None:
+        return None
+    if not isinstance(offsets, Mapping) or not all(
+        isinstance(k, str) and k and isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0
+        for k, v in offsets.items()
+    ):
+        raise SerializationError(f"{where} must map stream names to offsets >= 0, got {offsets!r}")
+    return {str(k): int(v) for k, v in sorted(offsets.items())}
 
 
 def _apply(directory: str | os.PathLike, version: int, values: dict[str, np.ndarray]) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from fluidps.ir.types import VarType, to_numpy_dtype
 from fluidps.ops.selected_rows import SelectedRows
 
-ROWS_LIMIT = 1 << 22  # sparse row ids per gradient a RowLog keeps (its counts go on past it)
+ROWS_LIMIT = 1 << 16  # sparse row ids per gradient a RowLog keeps (512 KiB; its counts go on past it)
 
 
 def add(total: Any, value: Any) -> Any:

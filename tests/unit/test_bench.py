@@ -381,9 +381,16 @@ def test_the_placement_bench_measures_every_split_and_the_automatic_one():
     assert sliced["Cost"]["max_over_mean"] <= 1.1  # cut into blocks, the load balances
 
 
-def test_the_streaming_bench_reads_the_log_and_the_same_records_from_datasets():
-    (row,) = bench("streaming", "--quick")
-    assert row["row"] == "log" and row["records"] == 20_000 and row["bytes_per_record"] == 96.0
+def test_the_streaming_bench_measures_the_log_training_freshness_deltas_swaps_and_memory():
+    """bench.streaming --quick: every row, with what each promises; counts and sizes are
+    checked, never how fast anything ran."""
+    log, throughput, freshness, delta, swaps, memory = bench("streaming", "--quick")
+    assert [r["row"] for r in (log, throughput, freshness, delta, swaps, memory)] == [
+        "log", "throughput", "freshness", "delta", "swaps", "memory"
+    ]  # fmt: skip
+    assert all(r["bench"] == "streaming" for r in (log, throughput, freshness, delta, swaps, memory))
+
+    assert log["records"] == 20_000 and log["bytes_per_record"] == 96.0
     speeds = [
         "append_fsync_per_s",
         "append_no_fsync_per_s",
@@ -391,7 +398,57 @@ def test_the_streaming_bench_reads_the_log_and_the_same_records_from_datasets():
         "parquet_read_per_s",
         "npz_read_per_s",
     ]
-    assert all(row[key] > 0 for key in speeds)
-    assert row["log_read_over_parquet"] == pytest.approx(
-        row["read_per_s"] / row["parquet_read_per_s"], rel=1e-2
+    assert all(log[key] > 0 for key in speeds)
+    assert log["log_read_over_parquet"] == pytest.approx(
+        log["read_per_s"] / log["parquet_read_per_s"], rel=1e-2
     )
+
+    # The same clicks, batches and model from the log and from Parquet: the same loss.
+    assert (throughput["records"], throughput["batch"], throughput["rounds"]) == (20_000, 128, 1)
+    assert throughput["stream_events_per_s"] > 0 and throughput["parquet_events_per_s"] > 0
+    assert throughput["stream_over_parquet"] == pytest.approx(
+        throughput["stream_events_per_s"] / throughput["parquet_events_per_s"], rel=1e-2
+    )
+    assert len(throughput["stream_rounds"]) == len(throughput["parquet_rounds"]) == 1
+    assert throughput["same_loss"] and 0 < throughput["last_loss"]["stream"] < 0.7  # (ln 2 untrained)
+
+    # Every event written was served by some version that includes it.
+    assert (freshness["rate_per_s"], freshness["window_seconds"]) == (1000, 1.0)
+    assert freshness["events"] == freshness["events_served"] == 5000
+    assert 0 < freshness["p50_s"] <= freshness["p95_s"] <= freshness["max_s"]
+    parts = ("append_to_committed_s", "committed_to_exported_s", "exported_to_served_s")
+    assert all(freshness[f"median_{p}"] >= 0 for p in parts)
+    # the untrained model, the warm-up window's, and at least one window of the writer's
+    assert freshness["versions_exported"] >= 3 and freshness["versions_served"] >= 2
+    assert freshness["train_steps"] >= 5000 / 128 and freshness["server_last_error"] is None
+
+    # 1% of a 20,000-row table's ids trained: a delta of those rows and the dense layers.
+    assert (delta["table"], delta["ids_trained"], delta["ids_trained_fraction"]) == ("20000x8", 200, 0.01)
+    assert 0 < delta["rows_changed"] <= 200 and delta["kind"] == "delta"
+    table = next(v for name, v in delta["vars"].items() if name.startswith("embedding"))
+    assert table[0] == "rows" and 0 < table[1] < delta["delta_bytes"]
+    assert sum(size for _, size in delta["vars"].values()) == delta["delta_bytes"]
+    assert delta["delta_over_base"] == pytest.approx(delta["delta_bytes"] / delta["base_bytes"], abs=1e-4)
+    assert delta["delta_over_base"] < 0.03
+
+    # Predictions while versions are swapped in: none failed, none was half of a delta,
+    # and no thread was ever answered by an older version than before.
+    assert (swaps["predictions"], swaps["threads"]) == (2000, 4)
+    assert swaps["errors"] == swaps["mismatched"] == swaps["backwards"] == 0, swaps
+    assert (
+        swaps["versions_exported"] >= 4 and swaps["bases_exported"] >= 1 and swaps["versions_answered"] >= 1
+    )
+    assert swaps["refreshes_refused"] == 0 and swaps["helper_errors"] == [], swaps
+
+    # The hashed table on a pserver process: bounded rows while ids keep coming and going.
+    assert "fluidps serve" in memory["pserver"] and memory["events"] == 60_000 and memory["batch"] == 500
+    timeline = memory["timeline"]
+    assert len(timeline) == 20 and [t["events"] for t in timeline] == sorted({t["events"] for t in timeline})
+    assert timeline[-1]["events"] == memory["events"]
+    assert all(0 < t["rows"] <= memory["rows_bound"] and t["rss_mib"] > 0 for t in timeline)
+    assert all(t["rows"] == t["created"] - t["evicted"] for t in timeline)
+    assert memory["created"] > memory["rows_max_after_warmup"] and memory["evicted"] > 0
+    warm = [t for t in timeline if t["events"] >= memory["warmup_events"]]
+    assert warm[0]["rss_mib"] == memory["rss_warm_mib"] and timeline[-1]["rss_mib"] == memory["rss_end_mib"]
+    assert warm[-1]["created"] > warm[0]["created"] and warm[-1]["evicted"] > warm[0]["evicted"]
+    assert memory["rss_max_mib"] == max(t["rss_mib"] for t in warm)

@@ -19,7 +19,7 @@ import fluidps
 from fluidps import layers
 from fluidps.errors import FeedError, SerializationError
 from fluidps.io import Exporter, load_export
-from fluidps.io.exports import VERSIONS_DIR, chain, read_manifest
+from fluidps.io.exports import VERSIONS_DIR, chain, read_manifest, stream_offsets
 from fluidps.serving import Predictor
 
 
@@ -168,3 +168,31 @@ def test_a_predictor_refuses_inputs_that_would_change_on_the_way(tmp_path):
     with pytest.raises(FeedError, match="null, text or ragged rows"):
         predictor.predict({"ids": [[1, None]]})
     assert predictor.predict({"ids": [[1.0, 2.0]]})[prob.name].shape == (1, 2)  # whole numbers are fine
+
+
+def test_a_version_records_the_stream_offsets_it_was_trained_through(tmp_path):
+    """export(offsets=) keeps, by stream, the offset before which every record was trained
+    on (bench.streaming's freshness row says a version includes an event by it)."""
+    main, startup, _test, prob, loss = ctr_model()
+    exe, scope = fluidps.Executor(), fluidps.Scope()
+    exe.run(startup, scope=scope)
+    exporter = Exporter(tmp_path / "exports", ["ids"], [prob], main, base_every=2)
+    stream = "log:/data/clicks"
+    assert exporter.export(scope) == 1 and stream_offsets(tmp_path / "exports", 1) == {}
+    for version, committed in ((2, 640), (3, 1280)):  # a delta, then a base: both keep them
+        exe.run(main, feed=batch(version), fetch_list=[loss], scope=scope)
+        assert exporter.export(scope, offsets={stream: np.int64(committed), "log:/b": 0}) == version
+        assert stream_offsets(tmp_path / "exports", version) == {stream: committed, "log:/b": 0}
+    assert [read_manifest(tmp_path / "exports", v)["kind"] for v in (2, 3)] == ["delta", "base"]
+    assert load_export(tmp_path / "exports")[0] == 3  # (the offsets change nothing else)
+
+    for bad in ({stream: -1}, {stream: 1.5}, {stream: True}, {"": 3}, [(stream, 3)]):
+        with pytest.raises(SerializationError, match="must map stream names to offsets >= 0"):
+            exporter.export(scope, offsets=bad)
+    assert exporter.latest == 3  # nothing written for them
+    path = tmp_path / "exports" / VERSIONS_DIR / "00000003" / "manifest.json"
+    body = json.loads(path.read_text())
+    body["offsets"] = {stream: "1280"}
+    path.write_text(json.dumps(body))
+    with pytest.raises(SerializationError, match="'offsets' must map stream names to offsets"):
+        stream_offsets(tmp_path / "exports", 3)

@@ -233,6 +233,38 @@ def test_shrink_evicts_rows_past_their_ttl_and_rows_whose_decayed_score_is_low()
     assert len(by_score) == 0 and by_score.stats()["evicted"] == 2
 
 
+def test_ttl_eviction_keeps_a_table_bounded_over_a_drifting_id_stream_while_it_admits_new_ids():
+    """Ids drift (each step's come from a window that moves on, as a click log's popular
+    ids do), so rows keep being created and keep expiring. At step c + j after a shrink
+    at c (j < shrink_every), the rows left were updated in steps c - ttl .. c + j, so at
+    most ttl + shrink_every steps' ids are held: at most that many times the ids a step
+    brings, and at most the ids whose window those steps' windows cover."""
+    ttl, every, drift, width, batch, steps = 6, 3, 8, 64, 16, 240
+    main, startup, loss = ctr_model(OPTIMIZERS["sgd"], min_count=2, ttl_steps=ttl, shrink_every=every)
+    exe = fluidps.Executor()
+    exe.run(startup)
+    rng = np.random.default_rng(3)
+    per_step = batch * FIELDS
+    bound = min((ttl + every) * per_step, width + (ttl + every) * drift)
+    created, history = 0, []
+    for step in range(steps):
+        ranks = step * drift + rng.integers(0, width, (batch, FIELDS))
+        ids = (ranks * 0x9E3779B1 + 12345) % 2**40  # raw hashes: scattered, one per rank
+        exe.run(main, feed={"ids": ids[..., None], "label": (ranks[:, :1] % 2)}, fetch_list=[loss])
+        stats = exe.scope[TABLE].stats()
+        assert stats["steps"] == step + 1
+        assert stats["rows"] <= bound, (step, stats)
+        assert stats["pending_ids"] <= bound, (step, stats)  # ids seen once expire too
+        assert stats["rows"] == stats["created"] - stats["evicted"]
+        history.append(stats)
+        created = stats["created"]
+    assert created > 10 * bound  # ids came and went: many more rows were made than are held
+    late = history[steps // 2 :]
+    for before, after in zip(late, late[every:], strict=False):  # it keeps admitting, and evicting
+        assert after["created"] > before["created"] and after["evicted"] > before["evicted"]
+    assert min(s["rows"] for s in late) > 0
+
+
 def test_a_full_table_refuses_new_rows_or_evicts_its_lowest_scored_ones():
     Settings, Rule = fluidps.ops.sparse_table.TableSettings, fluidps.ops.sparse_table.Rule
     strict = SparseTable("t", Settings(dim=2, max_rows=3))
