@@ -88,6 +88,10 @@ class _OneLineErrors(click.Command):
               help="Bind each process to one core of those the launcher may use: the pservers', then the "
               "trainers' in turn, round-robin past the last. No process migrates, and its ZeroMQ I/O threads "
               "share its core and caches: a sync step's messages wait less on a host with a core per process.")  # fmt: skip
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, metavar="BASE",
+              help="Each process serves its Prometheus metrics on port BASE + its index (the pservers, the "
+              "trainers, then the coordinator: the log says which got which), on --host (0: none; the metrics "
+              "extra).")  # fmt: skip
 @click.argument("script", metavar="SCRIPT.py")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 def launch(
@@ -110,6 +114,7 @@ def launch(
     checkpoint_every_seconds: float,
     progress: bool | None,
     bind_cores: bool,
+    metrics_port: int,
     script: str,
     script_args: tuple[str, ...],
 ) -> None:
@@ -153,7 +158,9 @@ def launch(
         if dataset is not None and stream is not None:
             fail("a job reads --dataset or --stream, not both")
         if dataset is None and stream is None:
-            status = Launcher(*common, bind_cores=bind_cores, stages=stages or 0).run()
+            status = Launcher(
+                *common, bind_cores=bind_cores, stages=stages or 0, metrics_port=metrics_port
+            ).run()
         else:
             job = DatasetJob(
                 dataset,
@@ -167,7 +174,7 @@ def launch(
                 checkpoint_every_seconds=checkpoint_every_seconds,
                 progress=progress,
             )
-            status = DatasetLauncher(job, *common, bind_cores=bind_cores).run()
+            status = DatasetLauncher(job, *common, bind_cores=bind_cores, metrics_port=metrics_port).run()
     except Error as e:
         fail(str(e))
     sys.exit(status)

@@ -17,7 +17,7 @@ import click
 from fluidps.cli.common import fail, load_program
 from fluidps.errors import Error
 from fluidps.executor import stacks
-from fluidps.executor.env import runtime_config_from_env
+from fluidps.executor.env import DEFAULT_METRICS_HOST, runtime_config_from_env
 from fluidps.executor.executor import Executor
 from fluidps.executor.launch.processes import READY
 from fluidps.executor.remote.executor_server import ExecutorServer
@@ -118,6 +118,27 @@ def _config(
     "--drain", is_flag=True, help="--role coordinator, with --stream: start draining (its job is draining)."
 )
 @click.option(
+    "--checkpoints",
+    type=click.Path(file_okay=False),
+    help="--role coordinator, with --stream: where the job's pservers checkpoint; a window's offsets are "
+    "committed once their checkpoints hold it, and one a restored pserver lost goes out again.",
+)
+@click.option(
+    "--pservers",
+    type=click.IntRange(min=1),
+    help="--role coordinator, with --checkpoints: how many pservers the job has.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    help="Serve this process's Prometheus metrics at http://HOST:PORT/metrics (0: not served). "
+    "Default: FLUIDPS_METRICS_PORT. Needs the metrics extra.",
+)
+@click.option(
+    "--metrics-host",
+    help=f"The address the metrics are served on. Default: FLUIDPS_METRICS_HOST, else {DEFAULT_METRICS_HOST}.",
+)
+@click.option(
     "--parent-pid",
     type=int,
     hidden=True,
@@ -138,6 +159,10 @@ def serve(
     max_task_failures: int,
     stream: str | None,
     drain: bool,
+    checkpoints: str | None,
+    pservers: int | None,
+    metrics_port: int | None,
+    metrics_host: str | None,
     parent_pid: int | None,
     profile: bool,
     compile_: bool | None,
@@ -151,13 +176,15 @@ def serve(
     dataset the trainers read (`fluidps.layers.dataset_reader`), or the windows of
     their stream (`fluidps.layers.stream_reader`: SIGTERM drains it, a second one
     stops it), keeping its state in --snapshot. Each prints one line "NAME ready on ADDRESS" once it
-    listens.
+    listens. With --metrics-port, each serves its Prometheus metrics (the coordinator's stream:
+    records applied, consumer lag, windows; a pserver's steps and tables; see the streaming guide).
     """
     stacks.dump_on_sigusr1()  # kill -USR1 shows where it waits
     try:
         config = _config(keys, secret_file, insecure, peer_timeout)
         if profile:
             config = replace(config, profile=True)
+        config = _with_metrics(config, metrics_port, metrics_host)
         if role == "pserver":
             _serve_pserver(program_file, startup_file, config, compile_)
             return
@@ -166,6 +193,8 @@ def serve(
         if role == "coordinator":
             if drain and stream is None:
                 fail("--drain goes with --stream: a dataset's coordinator has nothing to drain")
+            if checkpoints is not None and (stream is None or pservers is None):
+                fail("--checkpoints goes with --stream and --pservers N (the pservers that write them)")
             server = Coordinator(
                 endpoint,
                 config.rpc,
@@ -175,9 +204,17 @@ def serve(
                 name or "coordinator",
                 stream=stream,
                 drain=drain,
+                checkpoints=checkpoints,
+                pservers=pservers or 0,
             )
         else:
             server = ExecutorServer(endpoint, config, name, compile_)
+        if config.metrics is not None:
+            if isinstance(server, Coordinator):
+                from fluidps.executor.job_metrics import CoordinatorMetrics
+
+                config.metrics.watch("coordinator", CoordinatorMetrics(server))
+            config.metrics.start()
     except Error as e:
         fail(str(e))
 
@@ -190,9 +227,29 @@ def serve(
     signal.signal(signal.SIGTERM, stop)
     if parent_pid is not None:
         _stop_when_orphaned(parent_pid, server.stop)
+    if config.metrics is not None:
+        click.echo(f"{server.name}: metrics on {config.metrics.url}")
     click.echo(f"{server.name}{READY}{server.address}")
     sys.stdout.flush()
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if config.metrics is not None:
+            config.metrics.close()
+
+
+def _with_metrics(config: RuntimeConfig, port: int | None, host: str | None) -> RuntimeConfig:
+    """The configuration with --metrics-port / --metrics-host over FLUIDPS_METRICS_*."""
+    if port is None and host is None:
+        return config
+    env = config.metrics
+    port = port if port is not None else env.port if env is not None else 0
+    host = host or (env.host if env is not None else DEFAULT_METRICS_HOST)
+    if not port:
+        return replace(config, metrics=None)
+    from fluidps.executor.job_metrics import JobMetrics  # (prometheus_client: only when asked for)
+
+    return replace(config, metrics=JobMetrics(port, host))
 
 
 def _stop_when_orphaned(parent_pid: int, stop: Callable[[], None]) -> None:
@@ -219,6 +276,12 @@ def _serve_pserver(
         fail(f"{program_file} is not a pserver program (it has no listen_and_serv op)")
     exe = Executor(runtime_config=config, compile=compile_)
     exe.run(startup)
+    if config.metrics is not None:
+        try:
+            config.metrics.start()
+        except Error as e:
+            fail(str(e))
+        click.echo(f"pserver {serving[0].attr('pserver_id')}: metrics on {config.metrics.url}")
     # The loop binds as it starts; trainers connecting earlier wait for it.
     click.echo(f"pserver {serving[0].attr('pserver_id')}{READY}{serving[0].attr('endpoint')}")
     sys.stdout.flush()

@@ -3,7 +3,8 @@
 The top level is local execution, and imports no ZeroMQ: the Executor (executor.py),
 Scope (scope.py), the block runner (block_runner.py), and the Runtime (runtime.py)
 an Executor makes only for programs that take part in a job, whose pieces load the
-rooms they need when first used. Every other responsibility has a room of its own;
+rooms they need when first used; and job_metrics.py, the Prometheus metrics a job's
+processes serve (the metrics extra). Every other responsibility has a room of its own;
 each room's docstring says what it owns and what it may import, and
 tests/unit/test_layering.py holds the code to it:
 

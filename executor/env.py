@@ -12,6 +12,8 @@ manifests runs unchanged:
   FLUIDPS_MODE                  sync (default), async or ssp
   FLUIDPS_DATASET               the dataset the trainers read, in a job with a coordinator
   FLUIDPS_STREAM                or the stream they read (fluidps.io.open_stream's spec)
+  FLUIDPS_DEAD_LETTERS          where a stream reader appends the records it cannot train on
+                                (JSON Lines), unless it names its own file
   FLUIDPS_COORDINATOR           the coordinator's address, where readers get their tasks
   FLUIDPS_STAGE                 a pipeline stage's process (fluidps launch --stages): its stage,
                                 0 .. the number of stages - 1; PADDLE_PSERVERS_IP_PORT_LIST may
@@ -52,6 +54,11 @@ given no RuntimeConfig reads them when a program first needs its runtime):
                                 trainer id over at once (fluidps.executor.ps.membership)
   FLUIDPS_TRAINER_INCARNATIONS  a pserver's: every trainer's incarnation, comma-separated (a
                                 message claiming a trainer id with another one is refused)
+  FLUIDPS_METRICS_PORT, FLUIDPS_METRICS_HOST
+                                serve this process's Prometheus metrics at http://HOST:PORT/metrics
+                                (port 0 or unset: not served; host 127.0.0.1 unless given; the
+                                metrics extra; `fluidps launch --metrics-port` gives each process a
+                                port of its own; fluidps.executor.job_metrics)
 
 Only this module, the CLI and the launcher read the environment; the objects they
 configure are given their configuration.
@@ -76,9 +83,11 @@ from fluidps.executor.transport.settings import RpcSettings
 from fluidps.transpiler.config import MODES
 
 if TYPE_CHECKING:
+    from fluidps.executor.job_metrics import JobMetrics
     from fluidps.executor.transport.proof import JobSecret
 
 ROLES = ("PSERVER", "TRAINER")
+DEFAULT_METRICS_HOST = "127.0.0.1"  # metrics are served on loopback unless an address is given
 
 # Every variable of the contract: the launcher clears them all before setting
 # the ones a process's role needs, so nothing leaks in from its own environment.
@@ -92,6 +101,7 @@ CONTRACT_VARS = (
     "FLUIDPS_MODE",
     "FLUIDPS_DATASET",
     "FLUIDPS_STREAM",
+    "FLUIDPS_DEAD_LETTERS",
     "FLUIDPS_COORDINATOR",
     "FLUIDPS_STAGE",
     "FLUIDPS_STAGE_ENDPOINTS",
@@ -106,6 +116,8 @@ CONTRACT_VARS = (
     "FLUIDPS_TRAINER_INCARNATIONS",
     "FLUIDPS_JOB_SECRET_FILE",
     "FLUIDPS_JOB_SECRET",
+    "FLUIDPS_METRICS_PORT",  # (one port per process: a launcher's own must not reach its children)
+    "FLUIDPS_METRICS_HOST",
 )
 
 # int() would also take "+3", "1_000" or "٣"; a rank or port is plain ASCII digits.
@@ -276,8 +288,8 @@ def rpc_settings_from_env(environ: Mapping[str, str] | None = None) -> RpcSettin
 
 
 def runtime_config_from_env(environ: Mapping[str, str] | None = None) -> RuntimeConfig:
-    """A process's RuntimeConfig: its RpcSettings, FLUIDPS_COORDINATOR and the
-    FLUIDPS_CHECKPOINT_* overrides (os.environ unless given)."""
+    """A process's RuntimeConfig: its RpcSettings, FLUIDPS_COORDINATOR, the
+    FLUIDPS_CHECKPOINT_* overrides and FLUIDPS_METRICS_* (os.environ unless given)."""
     env = os.environ if environ is None else environ
     return RuntimeConfig(
         rpc=rpc_settings_from_env(env),
@@ -286,7 +298,25 @@ def runtime_config_from_env(environ: Mapping[str, str] | None = None) -> Runtime
         profile=env.get("FLUIDPS_PROFILE", "").strip() == "1",
         incarnation=_incarnation(env.get(INCARNATION_ENV, ""), INCARNATION_ENV),
         replaces=_incarnation(env.get(REPLACES_ENV, ""), REPLACES_ENV),
+        metrics=metrics_from_env(env),
     )
+
+
+METRICS_PORT_ENV, METRICS_HOST_ENV = "FLUIDPS_METRICS_PORT", "FLUIDPS_METRICS_HOST"
+
+
+def metrics_from_env(environ: Mapping[str, str] | None = None) -> JobMetrics | None:
+    """Where FLUIDPS_METRICS_PORT and FLUIDPS_METRICS_HOST say to serve this process's
+    metrics (not started yet), or None: not served."""
+    env = os.environ if environ is None else environ
+    if not env.get(METRICS_PORT_ENV, "").strip():
+        return None
+    port = _int(env, METRICS_PORT_ENV, "a TCP port for the metrics, 1 to 65535 (0: none)", 0, 65535)
+    if port == 0:
+        return None
+    from fluidps.executor.job_metrics import JobMetrics  # (prometheus_client: only when asked for)
+
+    return JobMetrics(port, env.get(METRICS_HOST_ENV, "").strip() or DEFAULT_METRICS_HOST)
 
 
 SECRET_FILE_ENV, SECRET_ENV = "FLUIDPS_JOB_SECRET_FILE", "FLUIDPS_JOB_SECRET"
@@ -375,6 +405,8 @@ def checkpoint_overrides_from_env(environ: Mapping[str, str] | None = None) -> C
         every_seconds=number("FLUIDPS_CHECKPOINT_EVERY_SECONDS", float, 0),
         keep=number("FLUIDPS_CHECKPOINT_KEEP", int, 1),
         base_every=number("FLUIDPS_CHECKPOINT_BASE_EVERY", int, 1),
+        # (a streaming job's coordinator learns each pserver's incarnation from it)
+        before_serving=bool(env.get("FLUIDPS_STREAM", "").strip()),
     )
 
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import zmq
 
     from fluidps.executor.compiler import Compiler
+    from fluidps.executor.job_metrics import JobMetrics
     from fluidps.executor.ps.host import PserverHost
     from fluidps.executor.ps.trainer_client import TrainerClient
     from fluidps.executor.tasks.stream_reader import WindowSource
@@ -57,6 +58,9 @@ class RuntimeConfig:
     incarnation of the same trainer id that it replaces (a launcher that restarts a
     trainer says which; pservers then hand the id over at once: see
     fluidps.executor.ps.membership).
+    `metrics`: where this process serves its Prometheus metrics (None: nowhere); the
+    runtime starts it and adds its pservers' and its trainer's metrics
+    (fluidps.executor.job_metrics).
     `fluidps.executor.env.runtime_config_from_env` reads one from the
     environment contract.
     """
@@ -68,6 +72,7 @@ class RuntimeConfig:
     profile: bool = False
     incarnation: int = 0
     replaces: int = 0
+    metrics: JobMetrics | None = None
 
 
 class Runtime:
@@ -86,6 +91,8 @@ class Runtime:
         self._pserver: PserverHost | None = None
         self._readers: Readers | None = None
         self._stages: StageChannel | None = None
+        if config.metrics is not None:
+            config.metrics.start()
 
     @property
     def settings(self) -> RpcSettings:
@@ -106,6 +113,10 @@ class Runtime:
                 self.config.replaces,
                 batch_tag=lambda: self._readers.batch_tag() if self._readers is not None else None,
             )
+            if self.config.metrics is not None:
+                from fluidps.executor.job_metrics import TrainerMetrics
+
+                self.config.metrics.watch("trainer", TrainerMetrics(self._trainer))
         return self._trainer
 
     @property
@@ -116,6 +127,10 @@ class Runtime:
             self._pserver = PserverHost(
                 self.settings, self.config.checkpoints, self.context_for, self._runner_for, self.profile
             )
+            if self.config.metrics is not None:
+                from fluidps.executor.job_metrics import PserverMetrics
+
+                self._pserver.ticks.append(self.config.metrics.watch("pservers", PserverMetrics()).tick)
         return self._pserver
 
     @property
@@ -139,7 +154,7 @@ class Runtime:
             from fluidps.executor.tasks.task_reader import Readers
 
             self._readers = Readers(
-                self.config.coordinator, self._coordinator_source, self._idle_trainer, self._settle_sends
+                self.config.coordinator, self._coordinator_source, self._idle_trainer, self._deliver_sends
             )
         return self._readers
 
@@ -188,10 +203,10 @@ class Runtime:
         trainer.pause()
         return False
 
-    def _settle_sends(self) -> None:
-        """Wait until the pservers acknowledged every gradient this trainer computed."""
-        if self._trainer is not None:
-            self._trainer.deliver_all()
+    def _deliver_sends(self) -> frozenset[str]:
+        """Wait until the pservers acknowledged every gradient this trainer computed; the
+        stream windows some of whose went unnamed (TrainerClient.deliver_all)."""
+        return self._trainer.deliver_all() if self._trainer is not None else frozenset()
 
     def _coordinator_source(self, address: str, request: dict[str, Any]) -> TaskSource | WindowSource:
         """A reader's tasks from the coordinator: a dataset's, or a stream's windows."""

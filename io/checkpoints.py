@@ -116,6 +116,9 @@ class Checkpoint:
     reason: str
     created: float
     base: int | None = None  # a delta: the count of its base checkpoint
+    # The stream batches the values hold (fluidps.executor.ps.applied_batches' books), for a
+    # pserver that keeps them; checked where they are read.
+    applied_batches: Any = None
 
     @property
     def kind(self) -> str:
@@ -178,12 +181,14 @@ class CheckpointStore:
         step: int,
         reason: str,
         base: int | None = None,
+        applied_batches: dict[str, Any] | None = None,
     ) -> Checkpoint:
         """Write checkpoint count + 1 of `values` (name -> array), where `placements` says
         which original variable each one is (part of): name -> Placement or a tuple
         (origin, offset[, origin_rows]); a name not there is a whole variable of its own.
         `base`: the values hold deltas of hashed tables against this pserver's checkpoint
-        number `base`. Older checkpoints of this pserver beyond `keep` are removed, except
+        number `base`. `applied_batches`: the stream batches the values hold, recorded in
+        the manifest. Older checkpoints of this pserver beyond `keep` are removed, except
         the bases of those kept."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -230,6 +235,8 @@ class CheckpointStore:
                 ],
                 "data": {"file": f"{stem}.data", "bytes": size, "sha256": digest.hexdigest()},
             }
+            if applied_batches is not None:
+                manifest["applied_batches"] = applied_batches
             write_atomic(
                 str(self.directory / f"{stem}.json"),
                 [json.dumps(manifest, indent=1).encode()],
@@ -269,6 +276,24 @@ def scan(directory: str | os.PathLike) -> list[Checkpoint]:
             except CheckpointError:
                 continue  # reported by latest() when it matters
     return sorted(found, key=lambda c: (c.pserver_id, c.count))
+
+
+def newest_manifests(directory: str | os.PathLike) -> dict[int, tuple[int, Path]]:
+    """Per pserver, the count and path of its newest checkpoint manifest, by name (not read)."""
+    newest: dict[int, tuple[int, Path]] = {}
+    path = Path(directory)
+    if path.is_dir():
+        for manifest in path.iterdir():
+            if (match := _NAME.fullmatch(manifest.name)) is not None:
+                pserver, count = int(match[1]), int(match[2])
+                if count > newest.get(pserver, (0, path))[0]:
+                    newest[pserver] = (count, manifest)
+    return newest
+
+
+def read_manifest(path: str | os.PathLike) -> Checkpoint:
+    """One checkpoint's manifest (its data is checked when it is loaded)."""
+    return _parse(Path(path))
 
 
 def latest(
@@ -460,11 +485,18 @@ def _parse(path: Path) -> Checkpoint:
             str(body.get("reason", "")),
             float(body.get("created", 0.0)),
             _base(body.get("base")),
+            _books(body.get("applied_batches")),
         )
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{where} is unreadable: {type(e).__name__}: {e}") from None
+
+
+def _books(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"bad applied_batches {str(value)[:80]!r}")
+    return value
 
 
 def _base(value: Any) -> int | None:

@@ -102,6 +102,7 @@ def stream_reader(
     window_records: int = 4096,
     window_seconds: float | None = None,
     follow: bool = True,
+    dead_letters: str | os.PathLike | None = None,
 ) -> Variable:
     """Bind a reader of the stream `source` (`log:DIR`, a fluidps.io.StreamLog, or
     `redis://HOST:PORT/STREAM`) to the data variables `feed_list`: each run of the main
@@ -119,6 +120,11 @@ def stream_reader(
     `Executor.stop_streams()` (SIGTERM in a launched job) drains it: the window in hand
     finishes, then the program raises fluidps.EOFException. `follow=False` reads what
     the stream holds when reading starts (the last window shorter), then raises it.
+
+    Records that fail their checks (a bad CRC, the wrong fields) are never trained on:
+    each is appended to the dead-letter file `dead_letters` (JSON Lines: the stream,
+    window, offset, reason and raw bytes; None: FLUIDPS_DEAD_LETTERS, which `fluidps
+    launch` sets, else nowhere) and counted, and the reader says so on stderr.
     """
     from fluidps.io.stream import canonical_spec, check_group, open_stream
 
@@ -144,6 +150,7 @@ def stream_reader(
         "window_records": window_records,
         "window_seconds": float(window_seconds or 0.0),
         "follow": follow,
+        "dead_letters": os.path.abspath(dead_letters) if dead_letters is not None else "",
     }
     return _append_reader("stream_reader", "create_stream_reader", attrs, feed_list)
 

@@ -73,6 +73,7 @@ class StreamReaderSpec:
     window_records: int = 4096
     window_seconds: float | None = None  # None: windows close on their record count only
     follow: bool = True  # False: read what the stream holds when reading starts, then end
+    dead_letters: str | None = None  # the records it cannot train on go there (None: FLUIDPS_DEAD_LETTERS)
 
 
 @family.op(
@@ -86,6 +87,7 @@ class StreamReaderSpec:
         Int("window_records", 4096, lambda n: n >= 1, "window_records must be >= 1"),
         Float("window_seconds", 0.0, lambda s: s >= 0, "window_seconds must be >= 0 (0: by count only)"),
         Bool("follow", True),
+        Str("dead_letters", ""),
     ],
 )
 def _infer_create_stream(ctx: InferContext) -> None:
@@ -140,6 +142,7 @@ def _create_stream_kernel(op: KernelOp) -> Runner:
         op.attr("window_records"),
         seconds if seconds > 0 else None,
         op.attr("follow"),
+        op.attr("dead_letters") or None,
     )
     readers = op.runtime.readers
 

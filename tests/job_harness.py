@@ -28,15 +28,22 @@ class PserverThreads:
     `drain` and `join` unless they are given their own timeout."""
 
     def __init__(
-        self, transpiler, endpoints: list[str], settings: RpcSettings, wait: float = 30.0, compile=None
+        self,
+        transpiler,
+        endpoints: list[str],
+        settings: RpcSettings,
+        wait: float = 30.0,
+        compile=None,
+        metrics=None,
     ):
-        """`compile`: the pservers' Executors' (None: as FLUIDPS_COMPILE says)."""
+        """`compile`: the pservers' Executors' (None: as FLUIDPS_COMPILE says); `metrics`: a
+        JobMetrics every participant reports to (fluidps.executor.job_metrics)."""
         self.transpiler, self.endpoints, self.wait = transpiler, list(endpoints), wait
         self.errors: list[BaseException] = []
         self.context = zmq.Context()
         # Closed (with any socket a failed test left open) once the job is collected.
         weakref.finalize(self, self.context.destroy, 0)
-        self.config = RuntimeConfig(rpc=settings, context=self.context)
+        self.config = RuntimeConfig(rpc=settings, context=self.context, metrics=metrics)
         self.executors = {
             ep: fluidps.Executor(runtime_config=self.config, compile=compile) for ep in self.endpoints
         }

@@ -33,7 +33,7 @@ from fluidps.errors import BuilderError, DatasetError, StreamError
 from fluidps.executor import peer_exit
 from fluidps.executor.env import CONTRACT_VARS, SECRET_ENV
 from fluidps.executor.launch.launcher import POLL_S, Child, Launcher, describe_exit, exit_status
-from fluidps.executor.launch.processes import thread_limits
+from fluidps.executor.launch.processes import coordinator_flags, thread_limits
 from fluidps.executor.launch.progress import CoordinatorWatch, ProgressBar
 from fluidps.executor.launch.restarts import RestartBudget
 from fluidps.executor.tasks.coordinator import DEFAULT_MAX_FAILURES, DEFAULT_TASK_TIMEOUT
@@ -67,6 +67,11 @@ class DatasetJob:
             raise BuilderError(f"restart_window must be > 0 seconds, got {self.restart_window}")
         if self.checkpoint_every_steps < 0 or self.checkpoint_every_seconds < 0:
             raise BuilderError("checkpoint intervals must be >= 0")
+        if self.stream is not None and not self.checkpoint_every_seconds > 0:
+            raise BuilderError(
+                "a streaming job commits a window once the pservers' checkpoints hold it: give "
+                "checkpoint_every_seconds > 0 (--checkpoint-every-seconds)"
+            )
         try:
             if self.dataset is not None:
                 Dataset(self.dataset)
@@ -82,6 +87,7 @@ class DatasetJob:
 
 class DatasetLauncher(Launcher):
     extra_ports = 1  # the coordinator's
+    helpers = ("coordinator",)
 
     def __init__(self, job: DatasetJob, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -109,7 +115,10 @@ class DatasetLauncher(Launcher):
         source = (
             {"FLUIDPS_DATASET": str(Path(job.dataset).resolve())}
             if job.dataset is not None
-            else {"FLUIDPS_STREAM": canonical_spec(str(job.stream))}
+            else {
+                "FLUIDPS_STREAM": canonical_spec(str(job.stream)),
+                "FLUIDPS_DEAD_LETTERS": str((state / "dead-letters.jsonl").resolve()),
+            }
         )
         return {
             **source,
@@ -127,17 +136,19 @@ class DatasetLauncher(Launcher):
         env = dict(os.environ)
         for var in CONTRACT_VARS:
             env.pop(var, None)
-        env.update(PYTHONUNBUFFERED="1", **thread_limits(1))
+        env.update(PYTHONUNBUFFERED="1", **thread_limits(1), **self._metrics_environment("coordinator"))
         env[SECRET_ENV] = self.secret.hex()
         command = [
             self.python, "-m", "fluidps", "serve", "--role", "coordinator",
             "--endpoint", self.coordinator,
-            "--snapshot", str(Path(self.state_dir or ".") / "coordinator.json"),
+            *coordinator_flags(Path(self.state_dir or ".") / "coordinator.json", job.stream),
             "--task-timeout", str(job.task_timeout),
             "--max-task-failures", str(job.max_task_failures),
         ]  # fmt: skip
         if job.stream is not None:
-            command += ["--stream", canonical_spec(job.stream)]
+            assert self.checkpoint_dir is not None
+            # (a window is committed once the pservers' checkpoints hold it)
+            command += ["--checkpoints", str(self.checkpoint_dir.resolve()), "--pservers", str(self.pservers)]
         if "FLUIDPS_PEER_TIMEOUT" in os.environ:
             command += ["--peer-timeout", os.environ["FLUIDPS_PEER_TIMEOUT"]]
         self._start("coordinator", env, command)

@@ -41,6 +41,8 @@ from fluidps.errors import BuilderError
 from fluidps.executor.env import (
     CONTRACT_VARS,
     INCARNATION_ENV,
+    METRICS_HOST_ENV,
+    METRICS_PORT_ENV,
     REPLACES_ENV,
     SECRET_ENV,
     TRAINER_INCARNATIONS_ENV,
@@ -231,6 +233,7 @@ class Launcher:
         python: str = sys.executable,
         bind_cores: bool = False,
         stages: int = 0,
+        metrics_port: int = 0,
     ):
         if not Path(script).is_file():
             raise BuilderError(f"script {script} not found")
@@ -249,6 +252,8 @@ class Launcher:
             raise BuilderError(f"mode {mode!r} is invalid: it should be one of {', '.join(MODES)}")
         if grace < 0 or stop_timeout < 0:
             raise BuilderError("grace and stop_timeout must be >= 0 seconds")
+        if not 0 <= metrics_port <= 65535:
+            raise BuilderError(f"metrics_port must be a TCP port (0: no metrics), got {metrics_port}")
         self.script, self.args = script, list(args)
         self.pservers, self.trainers, self.mode = pservers, trainers, mode
         self.stages = stages
@@ -258,6 +263,9 @@ class Launcher:
         # Resolved at run time so a caller that swaps sys.stdout (pytest, click) is honoured.
         self._stdout, self._stderr = stdout, stderr
         self.python = python
+        # Process k of the job serves its metrics on metrics_port + k (0: none are served).
+        self.metrics_port = metrics_port
+        self.metrics_ports: dict[str, int] = {}
         # Each process bound to one core of the launcher's (see core_of), or left to the scheduler.
         self.cores: list[int] | None = None
         if bind_cores:
@@ -418,7 +426,6 @@ class Launcher:
             self.secret = JobSecret.generate()
             extra = self._job_environment(ports[listening:])
             self._say(self._describe())
-            self._start_helpers()
             if self.stages:
                 cut = self.stages * self.trainers
                 processes = stage_environments(
@@ -433,10 +440,12 @@ class Launcher:
                 processes = job_environments(
                     self.host, ports[:listening], self.trainers, self.mode, extra=extra, secret=self.secret
                 )
+            self._assign_metrics_ports([*(name for name, _ in processes), *self.helpers])
+            self._start_helpers()
             for name, env in processes:
                 if self._signal is not None:
                     break
-                self._start(name, env)
+                self._start(name, env | self._metrics_environment(name))
             return self._supervise()
         finally:
             self._stop(self.children)
@@ -454,6 +463,7 @@ class Launcher:
     # -- what a kind of job adds (DatasetLauncher) ---------------------------------------
 
     extra_ports = 0  # ports the job needs besides the pservers'
+    helpers: tuple[str, ...] = ()  # the processes _start_helpers starts (DatasetLauncher: "coordinator")
 
     def _job_environment(self, extra_ports: Sequence[int]) -> dict[str, str]:
         """Environment every process of the job gets on top of the contract."""
@@ -486,6 +496,27 @@ class Launcher:
 
     def _start_helpers(self) -> None:
         """Start processes the job needs before its pservers and trainers."""
+
+    # -- metrics -----------------------------------------------------------
+
+    def _assign_metrics_ports(self, names: Sequence[str]) -> None:
+        """Process k of `names` serves its metrics on metrics_port + k; said in the log."""
+        if not self.metrics_port:
+            return
+        if self.metrics_port + len(names) - 1 > 65535:
+            raise BuilderError(
+                f"metrics ports {self.metrics_port}.. run past 65535 for {len(names)} processes"
+            )
+        self.metrics_ports = {name: self.metrics_port + k for k, name in enumerate(names)}
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        where = ", ".join(f"{name} on {port}" for name, port in self.metrics_ports.items())
+        self._say(f"metrics at http://{host}:PORT/metrics: {where}")
+
+    def _metrics_environment(self, name: str) -> dict[str, str]:
+        """FLUIDPS_METRICS_PORT and _HOST for process `name` (none without metrics)."""
+        if name not in self.metrics_ports:
+            return {}
+        return {METRICS_PORT_ENV: str(self.metrics_ports[name]), METRICS_HOST_ENV: self.host}
 
     def _finish(self) -> None:
         """Release what the job held, once every process is stopped."""
@@ -543,9 +574,12 @@ def launch(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     bind_cores: bool = False,
+    metrics_port: int = 0,
 ) -> int:
     """Run `script` as a job of `pservers` pservers and `trainers` trainers; its exit status.
-    `bind_cores`: each process bound to one core of this one's (core_of).
+    `bind_cores`: each process bound to one core of this one's (core_of). `metrics_port`:
+    process k (the pservers, then the trainers) serves its Prometheus metrics on
+    metrics_port + k (fluidps.executor.job_metrics; 0: none).
     (A job reading a dataset through a coordinator: DatasetLauncher.)
 
     Raises BuilderError for bad arguments, a port that is taken, or a process that
@@ -565,4 +599,5 @@ def launch(
         stdout,
         stderr,
         bind_cores=bind_cores,
+        metrics_port=metrics_port,
     ).run()

@@ -28,8 +28,9 @@ from pathlib import Path
 
 from fluidps.endpoints import format_endpoint
 from fluidps.errors import TransportError
-from fluidps.executor.env import SECRET_ENV, SECRET_FILE_ENV
+from fluidps.executor.env import METRICS_PORT_ENV, SECRET_ENV, SECRET_FILE_ENV
 from fluidps.executor.transport.proof import JobSecret
+from fluidps.io.stream import canonical_spec
 
 READY = " ready on "
 # After SIGKILL a process is gone within milliseconds unless stuck in the kernel;
@@ -150,6 +151,7 @@ class ServeProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop(SECRET_FILE_ENV, None)  # (one of this process's job, if it runs in one)
         env.pop(SECRET_ENV, None)
+        env.pop(METRICS_PORT_ENV, None)  # (a port per process: this one's would clash)
         if secret is not None:  # the job's, in its environment: readable by this user only
             env[SECRET_ENV] = secret.hex()
         for name, value in thread_limits(threads).items():
@@ -208,6 +210,16 @@ class ServeProcess:
         if not wait_groups([self.process], timeout):
             return self.process.returncode
         return stop_group(self.process, term_timeout=3.0)
+
+
+def coordinator_flags(snapshot: Path, stream: str | None = None) -> list[str]:
+    """The `fluidps serve --role coordinator` flags of a job's coordinator, as the launcher
+    and a RemoteExecutor start one: the file it keeps its books in and, in a streaming
+    job, the stream whose windows it hands out (every process opens the same one)."""
+    flags = ["--snapshot", str(snapshot)]
+    if stream is not None:
+        flags += ["--stream", canonical_spec(stream)]
+    return flags
 
 
 def thread_limits(threads: int | None) -> dict[str, str]:

@@ -14,6 +14,8 @@ and the first after a restore, is a base.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +41,9 @@ class CheckpointOverrides:
     every_seconds: float | None = None
     keep: int | None = None
     base_every: int | None = None
+    # Checkpoint once before serving (a streaming job: each incarnation's books are on
+    # disk before it acknowledges anything, fluidps.executor.tasks.checkpoint_watch).
+    before_serving: bool = False
 
 
 class Checkpointer:
@@ -55,6 +60,7 @@ class Checkpointer:
         self.log = log
         self.directory = overrides.directory or spec.directory
         self.every_steps = int(setting(overrides.every_steps, spec.every_steps))
+        self.before_serving = overrides.before_serving
         self.every_seconds = float(setting(overrides.every_seconds, spec.every_seconds))
         keep = int(setting(overrides.keep, spec.keep))
         self.base_every = int(setting(overrides.base_every, spec.base_every))
@@ -68,7 +74,9 @@ class Checkpointer:
         self.store = ckpt.CheckpointStore(self.directory, pserver_id, keep) if self.directory else None
         self.saved: list[dict[str, Any]] = []  # this run's checkpoints, for stats
         self.restored_step: int | None = None
+        self.restored_books: dict[str, Any] | None = None  # the applied-batch books restored
         self._last = (0, time.monotonic())  # (step, when) of the last checkpoint
+        self._last_updates = 0  # the pserver's count of updates applied then
         # This run's last base: its count and each hashed table's step count then.
         self._base: tuple[int, dict[str, int]] | None = None
         self._deltas = 0  # checkpoints since that base
@@ -77,19 +85,23 @@ class Checkpointer:
     def enabled(self) -> bool:
         return self.store is not None
 
-    def due(self, steps: int) -> bool:
-        """A periodic checkpoint is due at `steps`."""
+    def due(self, steps: int, updates: int = 0) -> bool:
+        """A periodic checkpoint is due at `steps`, with `updates` applied so far."""
         if self.store is None:
             return False
         last_step, last_time = self._last
         by_steps = self.every_steps and steps - last_step >= self.every_steps
         by_time = (
-            self.every_seconds and time.monotonic() - last_time >= self.every_seconds and steps > last_step
+            self.every_seconds
+            and time.monotonic() - last_time >= self.every_seconds
+            and self.changed_since_last(steps, updates)
         )
         return bool(by_steps or by_time)
 
-    def changed_since_last(self, steps: int) -> bool:
-        return steps > self._last[0]
+    def changed_since_last(self, steps: int, updates: int = 0) -> bool:
+        """Whether the values moved since the last checkpoint: the step count, or the
+        updates applied (after a restore the trainers' steps start below the restored one)."""
+        return steps > self._last[0] or updates != self._last_updates
 
     def delta_since(self, delta: bool | None = None) -> dict[str, int] | None:
         """Whether the next checkpoint is a delta (None: as checkpoint_base_every says):
@@ -98,6 +110,18 @@ class Checkpointer:
         if delta is None:
             delta = self._deltas < self.base_every - 1
         return self._base[1] if delta and self._base is not None else None
+
+    def layout(self, env: Mapping[str, Any]) -> str:
+        """What this pserver serves, as a fingerprint: its slices of the original variables
+        and its shards of hashed tables (books recorded under another layout say nothing
+        about this one's rows)."""
+        slices = sorted((name, *p) for name, p in self.placements.items())
+        shards = sorted(
+            (n, v.settings.shard, v.settings.shards)
+            for n in self.placements
+            if isinstance(v := env.get(n), SparseTable)
+        )
+        return hashlib.sha256(json.dumps([slices, shards]).encode()).hexdigest()[:16]
 
     def _expand_hashed(self, values: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Hashed tables' snapshots as their arrays, each a piece of its own (io.checkpoints)."""
@@ -119,10 +143,15 @@ class Checkpointer:
         steps: int,
         reason: str,
         delta: bool | None = None,
+        books: dict[str, Any] | None = None,
+        updates: int = 0,
     ) -> ckpt.Checkpoint:
         """Save a checkpoint of `env`'s persistables, each copied holding `locked(name)`;
-        `delta`: of hashed tables' changes since the last base (None: as scheduled)."""
+        `delta`: of hashed tables' changes since the last base (None: as scheduled);
+        `books`: the stream batches those values hold (applied_batches), recorded with them."""
         since = self.delta_since(delta) or {}
+        if books is not None:
+            books = {**books, "layout": self.layout(env)}
         values = {}
         for name in self.placements:
             with locked(name):
@@ -132,9 +161,13 @@ class Checkpointer:
                     if isinstance(value, SparseTable)
                     else np.array(value, copy=True)
                 )
-        return self.save(values, steps, reason)
+        saved = self.save(values, steps, reason, books)
+        self._last_updates = updates
+        return saved
 
-    def save(self, values: dict[str, Any], steps: int, reason: str) -> ckpt.Checkpoint:
+    def save(
+        self, values: dict[str, Any], steps: int, reason: str, books: dict[str, Any] | None = None
+    ) -> ckpt.Checkpoint:
         if self.store is None:
             raise CheckpointError(
                 "this pserver has no checkpoint directory: set DistributeTranspilerConfig(checkpoint_dir=...) "
@@ -144,7 +177,9 @@ class Checkpointer:
         tables = {n: v for n, v in values.items() if isinstance(v, TableSnapshot)}
         delta = self._base is not None and any(t.is_delta for t in tables.values())
         values, placements = self._expand_hashed(values)
-        saved = self.store.save(values, placements, steps, reason, base=self._base[0] if delta else None)
+        saved = self.store.save(
+            values, placements, steps, reason, base=self._base[0] if delta else None, applied_batches=books
+        )
         if delta:
             self._deltas += 1
         else:
@@ -191,6 +226,16 @@ class Checkpointer:
         env.update(values)
         own = found.get(pserver_id)
         step = own[0].step if own is not None else max(c.step for c, _ in found.values())
+        books = own[0].applied_batches if own is not None else None
+        self.restored_books = None
+        if books is not None and books.get("layout") == self.layout(env):
+            self.restored_books = books
+        elif any(c.applied_batches for c, _ in sources):
+            self.log(
+                "the job's pservers changed since the checkpoints: this pserver's rows come from other "
+                "pservers' checkpoints, so it does not know which stream batches they hold (batches sent "
+                "again are applied again: at least once)"
+            )
         self._last = (step, time.monotonic())
         self._base, self._deltas = None, 0  # the next checkpoint is a base of what was restored
         self.restored_step = step

@@ -165,7 +165,11 @@ class ParameterServer:
         with sigterm.saved_before_dying(self.checkpoints.enabled, self._sigterm):
             try:
                 restored = self.checkpoints.restore(self.env, self.spec.pserver_id)
+                if self.checkpoints.restored_books is not None:  # (what the restored values hold)
+                    self.applied_batches = AppliedBatches.from_manifest(self.checkpoints.restored_books)
                 self.strategy.start(restored or 0)
+                if self.checkpoints.before_serving and self.spec.mode != "sync":
+                    self._checkpoint("restored" if restored is not None else "start")
                 while not self.members.done and self._stop_reason is None:
                     self._handle_all(self.server.receive(0.05, wake=self._waker.socket))
                     self._check_trainers()
@@ -175,6 +179,8 @@ class ParameterServer:
                     self._report_stall()
                     self._maybe_checkpoint()
                     self._finish_held()
+                    for tick in self.host.ticks:  # (what watches the loop: job_metrics.py publishes)
+                        tick(self)
                     failure = self.strategy.failure
                     if failure is not None:
                         raise ExecutionError(f"{self.name}: an optimize block failed: {failure}") from failure
@@ -183,7 +189,10 @@ class ParameterServer:
                 self._apply_held()
                 self.ended.set()
                 self.strategy.stop()  # every acknowledged gradient applied before the last checkpoint
-                if self.checkpoints.enabled and self.checkpoints.changed_since_last(self.strategy.steps):
+                updates = self.strategy.gradients_applied
+                if self.checkpoints.enabled and self.checkpoints.changed_since_last(
+                    self.strategy.steps, updates
+                ):
                     self._checkpoint(self._stop_reason or "end")
             finally:
                 self.ended.set()
@@ -481,14 +490,29 @@ class ParameterServer:
     # -- checkpoints ------------------------------------------------------------------------
 
     def _maybe_checkpoint(self) -> None:
-        if self.checkpoints.due(self.strategy.steps):
+        if self.checkpoints.due(self.strategy.steps, self.strategy.gradients_applied):
             self._checkpoint("periodic")
 
     def _checkpoint(self, reason: str, delta: bool | None = None) -> ckpt.Checkpoint:
         """Save a checkpoint; `delta`: of hashed tables' changes since the last base (None:
         as the checkpoint schedule says)."""
         self._apply_held()
-        return self.checkpoints.take(self.env, self.blocks.locked, self.strategy.steps, reason, delta)
+        # Every gradient accepted applied first, so that the books say what the values hold.
+        self.strategy.settle()
+        if (failure := self.strategy.failure) is not None:  # (the books would hold what failed)
+            raise ExecutionError(
+                f"{self.name}: no checkpoint: an optimize block failed: {failure}"
+            ) from failure
+        books = None if self.spec.mode == "sync" else self.applied_batches.to_manifest(self.spec.grad_blocks)
+        return self.checkpoints.take(
+            self.env,
+            self.blocks.locked,
+            self.strategy.steps,
+            reason,
+            delta,
+            books,
+            self.strategy.gradients_applied,
+        )
 
     def _on_checkpoint(self, request: Request) -> None:
         kinds = {"": None, "base": False, "delta": True}

@@ -81,6 +81,8 @@ class Strategy:
     # Whether a worker thread updates the variables while the loop reads them: a value
     # sent is then copied under its block's lock; else it is sent as it is.
     updates_meanwhile = True
+    # Gradients whose optimize block ran (for the metrics): one int, written by one thread.
+    gradients_applied = 0
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
@@ -105,6 +107,10 @@ class Strategy:
     def failure(self) -> BaseException | None:
         """An error of a worker thread, which ends the job."""
         return None
+
+    def settle(self) -> None:
+        """Return once every gradient accepted is applied (the serving loop accepts none
+        meanwhile): what a checkpoint copies then is all of them."""
 
     def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> Callable[[], bool] | None:
         """A trainer's SEND of its step `step` (tensors may be empty: a step without data).
@@ -235,6 +241,7 @@ class SyncStrategy(Strategy):
             self.ctx.blocks.advance_learning_rate(self.ctx.env)
         self.applied.update(grads)
         self.ctx.apply(grads)
+        self.gradients_applied += len(grads)
 
     def _maybe_complete(self) -> None:
         ctx = self.ctx
@@ -313,6 +320,11 @@ class AsyncStrategy(Strategy):
         if self._worker is not None:
             self._worker.join(timeout=10)
 
+    def settle(self) -> None:
+        with self._arrived:
+            while self._failure is None and any(self._applied[g] < n for g, n in self._queued.items()):
+                self._arrived.wait(_WORKER_POLL)
+
     def on_gradients(self, trainer: int, step: int, tensors: dict[str, Any]) -> Callable[[], bool]:
         ticket = {}
         for grad, value in tensors.items():
@@ -357,8 +369,11 @@ class AsyncStrategy(Strategy):
                 self._failure = e
                 self.ctx.wake()
                 return
-            for grad in grads:
-                self._applied[grad] += 1  # (this thread is its only writer)
+            with self._arrived:  # (settle waits on it)
+                for grad in grads:
+                    self._applied[grad] += 1  # (this thread is its only writer)
+                self.gradients_applied += len(grads)
+                self._arrived.notify_all()
             self.ctx.applied()
 
 

@@ -40,6 +40,7 @@ import numpy as np
 import zmq
 
 from fluidps.errors import TransportError
+from fluidps.executor.ps.applied_batches import tag_window
 from fluidps.executor.ps.communicator import Communicator
 from fluidps.executor.ps.gradients import GradientSum
 from fluidps.executor.ps.keepalive import Keepalive
@@ -87,6 +88,10 @@ class TrainerClient:
         # Which stream batch this step trains on (fluidps.executor.ps.applied_batches), when a
         # stream reader gave it: its SENDs say so, and a pserver applies each batch's gradients once.
         self._batch_tag = batch_tag
+        # Windows (applied_batches.window_key) whose batches' gradients were pushed without
+        # naming them (merged over steps, or queued for the communicator) since the last
+        # deliver_all: those are applied at least once.
+        self._untagged_windows: set[str] = set()
         self.sender = sender  # this process's incarnation: pservers tell a restarted trainer by it
         self.replaces = replaces  # the incarnation of this trainer id it replaces, if its launcher said
         self._context_for = context_for
@@ -159,6 +164,12 @@ class TrainerClient:
         until `bucket_bytes` are (0: none are held), or until the step's next exchange with
         that pserver; or, to `communicate`, queued for the communicator's thread. With
         every=n, the mean of the gradients of n calls is pushed at every n-th call."""
+        batch = self._batch_tag() if self._batch_tag is not None else None
+        # (gradients of several steps merged into one push, or queued for the communicator,
+        # name no single batch: untagged, they are applied at least once)
+        tag = batch if every == 1 and communicate is None else None
+        if batch is not None and tag is None:
+            self._untagged_windows.add(tag_window(batch))
         if every > 1:
             key = tuple((endpoint, name) for endpoint, name, _ in items)
             total, _ = self._sums.setdefault(key, (GradientSum(trainer_id, key), communicate))
@@ -166,11 +177,6 @@ class TrainerClient:
             if total.count < every:
                 return
             items = total.take_mean()
-        # (gradients of several steps merged into one push name no single batch: untagged,
-        # they are applied at least once)
-        tag = (
-            self._batch_tag() if self._batch_tag is not None and every == 1 and communicate is None else None
-        )
         self._deliver(items, trainer_id, bucket_bytes, communicate, tag)
 
     def _deliver(
@@ -475,16 +481,20 @@ class TrainerClient:
         self._sums.clear()
         return problems
 
-    def deliver_all(self) -> None:
+    def deliver_all(self) -> frozenset[str]:
         """Everything this trainer computed at the pservers, acknowledged: the gradients
         summed for send_interval, what the communicator holds, every SEND in flight (a
-        stream's window counts as done only after this)."""
+        stream's window counts as done only after this). Returns the windows whose
+        batches' gradients were pushed since the last call without naming them (applied
+        at least once, not exactly once)."""
         problems = self.flush()
         if problems:
             raise TransportError("; ".join(problems))
         if self._communicator is not None:
             self._communicator.drain()
         self.settle()
+        untagged, self._untagged_windows = frozenset(self._untagged_windows), set()
+        return untagged
 
     def close(self, leaving: bool = False) -> list[str]:
         """Tell every pserver this trainer is done (or, `leaving` an elastic job before the

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ import zmq
 
 from fluidps.endpoints import format_endpoint
 from fluidps.errors import BuilderError, Error, TransportError, UnsupportedError
-from fluidps.executor.launch.processes import ServeProcess, kill_all
+from fluidps.executor.launch.processes import ServeProcess, coordinator_flags, kill_all, signal_group
 from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.rpc import RpcClient, wait_all
 from fluidps.executor.transport.settings import RpcSettings
@@ -76,6 +78,10 @@ class Cluster:
         self.pserver_endpoints: list[str] = list(job.pserver_endpoints)  # where pserver loops listen
         self.kubernetes: KubernetesClient | None = None  # with job.cluster: the pods' objects there
         self.keep_logs = False  # set when the job failed: its logs explain why
+        self._stream_coordinator: ServeProcess | None = None  # a streaming job's, once ready
+        self._drain_asked = False  # drain_stream was called
+        self._drain_sent = False  # its coordinator got the SIGTERM
+        self._drain_lock = threading.Lock()
         self._closed = False
         self._job = job
         try:
@@ -158,9 +164,9 @@ class Cluster:
                 self.nodes.append(Node(role, i, RpcClient(self.context, address, name, self.settings), None))
         self.call_all({s.client: Message(Kind.HELLO) for s in self.nodes})
 
-    def start_coordinator(self, job: JobDesc) -> str:
-        """Start the job's coordinator on this machine (its state in the log directory);
-        its address. Stopped with the job."""
+    def start_coordinator(self, job: JobDesc, stream: str | None = None) -> str:
+        """Start the job's coordinator on this machine (its state in the log directory): of
+        a dataset's tasks, or of `stream`'s windows. Its address. Stopped with the job."""
         if job.cluster is not None:
             raise UnsupportedError(
                 "a RemoteExecutor on Kubernetes reads no dataset yet: render the script the Fluid way "
@@ -175,15 +181,45 @@ class Cluster:
             job.peer_timeout,
             threads=1,
             role="coordinator",
-            extra_args=["--snapshot", str(self.log_dir / "coordinator.json")],
+            extra_args=coordinator_flags(self.log_dir / "coordinator.json", stream),
             secret=self.settings.secret,
         )
         self.processes.append(process)
         address = process.wait_ready(job.start_timeout)
+        if stream is not None:  # (its SIGTERM handler is in place once it is ready)
+            self._stream_coordinator = process
+            if self._drain_asked:
+                self._send_drain()
         client = RpcClient(self.context, address, "the coordinator", self.settings)
         self.nodes.append(Node("coordinator", 0, client, process))
         self.call_all({client: Message(Kind.HELLO)})
         return address
+
+    def drain_stream(self) -> int:
+        """Drain the job's stream: SIGTERM to its coordinator, which then cuts no more
+        windows and tells each trainer "stopped" once its window in hand is done (`fluidps
+        serve --role coordinator --stream`; a second SIGTERM would stop it, so it goes
+        once). Asked before that coordinator is ready, it goes as soon as it is. Only
+        signals: safe in a signal handler. How many streams drain (0: none is served yet)."""
+        self._drain_asked = True
+        self._send_drain()
+        return int(self._stream_coordinator is not None)
+
+    def _send_drain(self) -> None:
+        # One SIGTERM only (a second would stop the coordinator instead of draining it). A
+        # signal handler may run this in the middle of another call: whoever holds the lock
+        # sends it, and the handler, finding it held, leaves it to that call (a blocking
+        # acquire there would wait forever on the thread it interrupted).
+        if not self._drain_lock.acquire(blocking=False):
+            return
+        try:
+            process = self._stream_coordinator
+            if process is None or self._drain_sent:
+                return
+            self._drain_sent = True
+        finally:
+            self._drain_lock.release()
+        signal_group(process.process, signal.SIGTERM)
 
     def _delete_pods(self) -> list[str]:
         assert self.kubernetes is not None and self._job.cluster is not None

@@ -8,11 +8,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fluidps.endpoints import parse_endpoints
-from fluidps.errors import BuilderError
+from fluidps.errors import BuilderError, StreamError
 from fluidps.executor.launch.kubernetes import KubernetesCluster, KubernetesJob, Resources, render
 from fluidps.executor.transport.proof import JobSecret
 from fluidps.executor.transport.security import Security
 from fluidps.executor.transport.settings import RpcSettings
+from fluidps.io.stream import canonical_spec, open_stream
 from fluidps.transpiler.config import DistributeTranspilerConfig
 
 
@@ -41,6 +42,13 @@ class JobDesc:
     addresses, and deletes them when it closes. It must run where those addresses are
     reachable: in a pod of that cluster. `to_kubernetes()` renders the job the Fluid way
     instead (a script in every pod, no client), for `fluidps k8s submit`.
+
+    `stream`: the job trains from this stream (`log:DIR` or `redis://HOST:PORT/STREAM`,
+    as `fluidps launch --stream`): its training program reads it with
+    layers.stream_reader (the same source; deploying checks it), a coordinator on this
+    machine hands each window to one trainer, and RemoteExecutor.stop_streams() drains
+    it. A program whose stream reader names a stream is served the same way without it;
+    with it, a program that reads another stream, a dataset or fed batches is refused.
     """
 
     pservers: int = 1
@@ -72,6 +80,7 @@ class JobDesc:
     resources: Resources = field(default_factory=Resources)  # each pod's cpu / memory (to_kubernetes)
     gang: bool = False  # on a cluster, all pods are scheduled together or none (to_kubernetes)
     cluster: KubernetesCluster | None = None  # the servers run as pods of this cluster
+    stream: str | None = None  # the stream the job trains from (kept in canonical form)
 
     def __post_init__(self) -> None:
         for field_name in ("pservers", "trainers"):
@@ -108,7 +117,24 @@ class JobDesc:
             self.pserver_servers or self.trainer_servers or self.pserver_endpoints
         ):
             raise BuilderError("with cluster, the job's servers are its pods: give no servers or endpoints")
+        if self.stream is not None:
+            self._check_stream()
         self.transpiler_config()  # a bad mode fails here, not at the first step
+
+    def _check_stream(self) -> None:
+        if not isinstance(self.stream, str):
+            raise BuilderError(f"stream={self.stream!r}: give log:DIR or redis://HOST:PORT/STREAM, as text")
+        if self.cluster is not None:
+            raise BuilderError(
+                "stream= with cluster=: a RemoteExecutor on Kubernetes reads no stream yet (a streaming job's "
+                "coordinator runs on this machine, not as a pod)"
+            )
+        spec = canonical_spec(self.stream)  # (every process opens the same log, wherever it runs)
+        try:
+            open_stream(spec).close()
+        except StreamError as e:
+            raise BuilderError(f"stream={self.stream!r}: {e}") from None
+        object.__setattr__(self, "stream", spec)
 
     def kubernetes_servers(self, secret: JobSecret | None = None) -> list[dict[str, Any]]:
         """The objects of this job's executor servers as pods of `cluster` (a RemoteExecutor
@@ -148,6 +174,11 @@ class JobDesc:
         fields (image=..., namespace=..., command=...). `dataset`: the path, inside the
         trainers' pods, of the dataset they read through a coordinator. Raises a
         BuilderError naming a field that breaks a rule, before rendering anything."""
+        if self.stream is not None:
+            raise BuilderError(
+                "a job with stream= is not rendered for Kubernetes yet (fluidps launch --stream runs a "
+                "streaming job's processes on one machine)"
+            )
         if cluster is None:
             if "image" not in cluster_fields:
                 raise BuilderError("to_kubernetes needs a KubernetesCluster or image=...")

@@ -28,7 +28,11 @@ A training program with a dataset reader (layers.dataset_reader) is not fed:
 deploying it also starts a coordinator, and each run is a step of every
 trainer that has a batch of its tasks; a trainer waiting for a task at the end
 of a pass takes part without gradients, and once every pass is done, run
-raises EOFException. When the pservers start from checkpoints in the job's
+raises EOFException. A program with a stream reader (layers.stream_reader, or
+JobDesc.stream) runs the same way on the stream's windows, each window to one trainer:
+with follow=False, run raises EOFException once the stream, as it was when reading
+started, is trained on; a followed stream waits for records without end, until
+stop_streams() drains it. When the pservers start from checkpoints in the job's
 checkpoint_dir, the job resumes from those instead of the client's values.
 """
 
@@ -55,6 +59,7 @@ from fluidps.executor.remote.cluster import Cluster
 from fluidps.executor.remote.executor_server import REFRESH
 from fluidps.executor.remote.job import JobDesc
 from fluidps.executor.remote.pipeline_job import PipelineJob
+from fluidps.executor.remote.program_reads import ProgramReads, program_reads
 from fluidps.executor.remote.remote_scope import RemoteScope
 from fluidps.executor.scope import Scope
 from fluidps.executor.transport.rpc import RpcClient, RpcSettings, wait_all
@@ -67,6 +72,11 @@ from fluidps.profiling import Profile
 from fluidps.transpiler.analysis import role, role_params
 from fluidps.transpiler.distribute import DistributeTranspiler
 from fluidps.transpiler.plan import DistributedPlan
+
+# While a followed stream has no records for any trainer, a step asks again after
+# WAIT_POLL_S, then twice as long each time up to WAIT_POLL_MAX_S (as a stream reader does).
+WAIT_POLL_S = 0.05
+WAIT_POLL_MAX_S = 1.0
 
 
 @dataclass
@@ -90,7 +100,7 @@ class Deployment:
     trainers: list[RpcClient]  # trainer i's executor server
     trainer_persistables: frozenset[str]
     steps: int = 0
-    reads: bool = False  # the trainers read a dataset through the coordinator's tasks
+    reads: ProgramReads | None = None  # what the trainers read through the coordinator (None: fed)
     finished: set[RpcClient] = field(default_factory=set)  # trainers whose reader is done
 
 
@@ -207,7 +217,7 @@ class RemoteExecutor:
             for feed in batches:
                 self._check_usable()
                 d = self._training_deployment(program)
-                if d is None or d.reads:  # deploys with this batch, or reads a dataset: one at a time
+                if d is None or d.reads is not None:  # deploys with this batch, or reads: one at a time
                     yield self.run(program, feed=feed, fetch_list=fetch_names)
                     continue
                 gathered.append(dict(feed))
@@ -243,7 +253,7 @@ class RemoteExecutor:
         d = self._training_deployment(program)
         if d is None:
             d = self._deploy(program)
-        if d.reads:
+        if d.reads is not None:
             checked = self._local.prepare(program, feed.keys(), fetch_names).check_feeds(feed)
             return self._read_step(program, d, checked, fetch_names)
         (fetched,) = self._collect(d, program, self._send_steps(d, program, [feed], fetch_names), fetch_names)
@@ -317,13 +327,21 @@ class RemoteExecutor:
         return replies
 
     def _read_step(self, program: Program, d: Deployment, feed: dict, fetch_names: list[str]) -> list[Any]:
-        """A step of a job whose trainers read their batches from the coordinator's tasks:
-        every trainer with data steps; one with no task for now (the end of a pass) skips
-        it; once every pass is done, EOFException."""
+        """A step of a job whose trainers read their batches from the coordinator's tasks
+        (or a stream's windows): every trainer with data steps; one with no task for now
+        (the end of a pass) skips it; once every pass is done (the stream drained),
+        EOFException. While no trainer has data, a followed stream waits for records
+        without end, asking less often the longer it waits; anything else fails after a
+        while: nobody holds a task, so none comes."""
+        assert d.reads is not None
+        follows = d.reads.follow
         deadline = time.monotonic() + self.job.peer_timeout * 6
+        poll = WAIT_POLL_S
         while True:
             active = [t for t in d.trainers if t not in d.finished]
             if not active:
+                if d.reads.stream is not None:
+                    raise EOFException(f"stream {d.reads.stream} is drained")
                 raise EOFException("every pass over the dataset is done")
             replies = self._wait(d, self._send({t: [dict(feed)] for t in active}, fetch_names))
             ran = [t for t in active if replies[t].kind == Kind.VALUES]
@@ -332,11 +350,13 @@ class RemoteExecutor:
             }
             if ran:
                 break
-            if time.monotonic() > deadline:  # every trainer waits for a task nobody holds
+            if not follows and time.monotonic() > deadline:  # everyone waits for a task nobody holds
                 raise ExecutionError(
                     "no trainer got a task for a long while: the coordinator holds none for them"
                 )
-            time.sleep(0.05)
+            time.sleep(poll)
+            if follows:
+                poll = min(poll * 2, WAIT_POLL_MAX_S)
         sizes = [
             json_fields(replies[t].text, {"samples": int})["samples"] if replies[t].text else 1 for t in ran
         ]
@@ -351,6 +371,8 @@ class RemoteExecutor:
                 "the pservers initialize their slices from it"
             )
         job, trainers = self.job, self._cluster.role("trainer")
+        # A program this job cannot serve is refused before anything starts.
+        reads = program_reads(job, program, self._startup)
         # The pserver loops' endpoints go into the transpiled programs, so they are picked before
         # the loops start; pick_free_ports says where a race remains.
         endpoints = self._cluster.pserver_endpoints or free_endpoints(job.host, job.pservers)
@@ -388,9 +410,8 @@ class RemoteExecutor:
             observers = {
                 ep: self._cluster.observe(ep, f"pserver {i} ({ep})") for i, ep in enumerate(plan.endpoints)
             }
-            reads = _reads_dataset(program)
-            if reads:  # the trainers read their batches from a coordinator's tasks
-                coordinator = self._cluster.start_coordinator(job)
+            if reads is not None:  # the trainers read their batches from a coordinator's tasks or windows
+                coordinator = self._cluster.start_coordinator(job, reads.stream)
                 self._cluster.call_all({t.client: _configure("coordinator", coordinator) for t in trainers})
             trainer_vars = frozenset(
                 n for n, v in plan.trainer_program.global_block().vars.items() if v.persistable
@@ -507,6 +528,16 @@ class RemoteExecutor:
         replies = _ask_all(d.pservers, Kind.CHECKPOINT, text=kind or "")
         return {ep: saved["path"] for ep, saved in replies.items()}
 
+    def stop_streams(self) -> int:
+        """Drain the job's stream, as Executor.stop_streams() drains a process's: its
+        coordinator cuts no more windows, each trainer finishes the window in hand (its
+        records applied, the stream's offset committed), then run() raises EOFException.
+        Safe to call from a signal handler (SIGTERM) or another thread while run() waits
+        for records: it only signals the coordinator. Called before the program reading
+        the stream is deployed, that job drains as it starts. Returns how many streams
+        drain (0: the job serves none yet)."""
+        return self._cluster.drain_stream()
+
     # -- ending ----------------------------------------------------------------------------
 
     def close(self) -> list[str]:
@@ -563,10 +594,6 @@ def _without_readers(startup: Program) -> Program:
     block = out.global_block()
     block.ops = [op for op in block.ops if op.type not in ("create_dataset_reader", "create_stream_reader")]
     return out
-
-
-def _reads_dataset(program: Program) -> bool:
-    return any(op.type == "read" for op in program.global_block().ops)
 
 
 def _is_value(value: Any) -> bool:

@@ -23,6 +23,7 @@ import json
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ from typing import Any
 import zmq
 
 from fluidps.errors import Error, StreamError
+from fluidps.executor.ps.applied_batches import stream_id
+from fluidps.executor.tasks.checkpoint_watch import CheckpointWatch
+from fluidps.executor.tasks.lease_times import LeaseTimes
 from fluidps.executor.tasks.leases import LeaseBook
 from fluidps.executor.tasks.stream_windows import StreamWindows
 from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
@@ -66,6 +70,8 @@ DEFAULT_MAX_FAILURES = 3
 LEASE_STRETCH = 2.0
 MAX_CLOCKS = 4096  # trainer processes whose silences it keeps (the least recently heard go)
 REASON_CHARS = 500  # of a failure's reason, kept in the books
+# How often the pservers' checkpoints are looked at for windows waiting on them (seconds).
+WATCH_S = 0.5
 # A request that held the loop this long (a slow stream source) pushes every lease's
 # deadline back by as much: the trainers' renewals waited unread meanwhile.
 STALL_S = 1.0
@@ -82,12 +88,24 @@ class Coordinator:
         name: str = "coordinator",
         stream: str | None = None,
         drain: bool = False,
+        checkpoints: str | None = None,
+        pservers: int = 0,
     ):
         """`stream`: this is a streaming job's coordinator, of that stream (its trainers must
         read it; SIGTERM drains the job); `drain`: start draining (a coordinator started
-        again while its job drains)."""
+        again while its job drains). `checkpoints`: the directory where the job's
+        `pservers` pservers checkpoint: a window's offsets are committed once their
+        checkpoints hold it, and a window a restored pserver lost is handed out again
+        (checkpoint_watch.py)."""
+        if checkpoints is not None and (stream is None or pservers < 1):
+            raise Error(
+                "a coordinator watches the pservers' checkpoints in a streaming job, given their count"
+            )
         self.settings = settings or RpcSettings()
         self.stream = stream
+        self.checkpoints, self.pservers = checkpoints, pservers
+        self._watch: CheckpointWatch | None = None  # of the pservers' checkpoints, once windows exist
+        self._watched_at = 0.0
         self._drain_pending = drain  # drain once the windows exist (none were asked for yet)
         self.name = name
         self.snapshot = Path(snapshot) if snapshot else None
@@ -101,6 +119,8 @@ class Coordinator:
         self._started = time.monotonic()
         # Per trainer process, its silences: the least recently heard first.
         self._clocks: OrderedDict[str, SilenceClock] = OrderedDict()
+        self.lease_times = LeaseTimes()  # how long windows take, and the leases that failed
+        self.ticks: list[Callable[[], None]] = []  # called by the loop between requests (job_metrics.py)
         if self.snapshot is not None and self.snapshot.exists():
             self._resume()
         self.server = RpcServer(self._context, endpoint, name, self.settings)
@@ -123,11 +143,17 @@ class Coordinator:
                     if (took := time.monotonic() - started) > STALL_S and (book := self._book) is not None:
                         book.postpone(took)
                 self._expire()
+                self._watch_checkpoints()
+                for tick in self.ticks:
+                    tick()
                 if self._sigterm:
                     self._sigterm = False
                     self._terminated()
         finally:
-            self.close()
+            try:
+                self._watch_checkpoints(now=True)  # (the pservers' last checkpoints, taken as they ended)
+            finally:
+                self.close()
 
     def stop(self) -> None:
         self._running = False
@@ -138,7 +164,9 @@ class Coordinator:
         self._sigterm = True
 
     def _terminated(self) -> None:
-        if self.stream is not None and not self._drain_pending and not self._draining:
+        self._watch_checkpoints(now=True)
+        finished = self.windows is not None and self.windows.queue.drained
+        if self.stream is not None and not self._drain_pending and not self._draining and not finished:
             self.drain()
         else:
             self.stop()
@@ -158,6 +186,41 @@ class Coordinator:
         elif not self.windows.queue.stopping:
             self.windows.stop()
             self.log("draining: no new windows; the ones in hand are finished first")
+            self._save()
+
+    def _checkpoint_watch(self) -> CheckpointWatch:
+        if self._watch is None:
+            assert self.checkpoints is not None and self.windows is not None
+            config = self.windows.queue.config
+            self._watch = CheckpointWatch(
+                self.checkpoints, self.pservers, stream_id(config.source, config.group)
+            )
+        return self._watch
+
+    def _watch_checkpoints(self, now: bool = False) -> None:
+        """Every WATCH_S (or `now`): the windows done that the pservers' newer checkpoints
+        hold may be committed; those a restored pserver lost go out again."""
+        windows = self.windows
+        if windows is None or not windows.queue.unsaved or self.checkpoints is None:
+            return
+        if not now and time.monotonic() - self._watched_at < WATCH_S:
+            return
+        self._watched_at = time.monotonic()
+        watch = self._checkpoint_watch()
+        watch.refresh()
+        for problem in watch.problems:
+            self.log(f"checkpoint manifest skipped: {problem}")
+        watch.problems.clear()
+        verdict = watch.judge(windows.queue.awaiting())
+        lost = windows.queue.reopen(list(verdict.lost))
+        for window in lost:
+            pservers = ", ".join(map(str, verdict.lost[window.start]))
+            self.log(
+                f"window {window.id} ({window.start}..{window.stop - 1}) goes out again: pserver {pservers} came "
+                "back from a checkpoint without it (the other pservers drop the batches they hold)"
+            )
+        windows.queue.saved(verdict.saved)
+        if lost or verdict.saved:
             self._save()
 
     @property
@@ -281,7 +344,12 @@ class Coordinator:
             )
         if self.windows is None:
             self.windows = StreamWindows.open(
-                open_stream(config.source), config, wanted["follow"], self.task_timeout, self.max_failures
+                open_stream(config.source),
+                config,
+                wanted["follow"],
+                self.task_timeout,
+                self.max_failures,
+                saved_by_pservers=self.checkpoints is not None,
             )
             self.log(
                 f"windows of {config.window_records} records"
@@ -309,6 +377,7 @@ class Coordinator:
             self._save()
         if isinstance(got, str):
             return Message(Kind.NO_TASK, text=got)
+        self.lease_times.leased(got.id, time.monotonic())
         window = windows.queue.window(got)
         reply = {
             "lease": got.id,
@@ -326,10 +395,14 @@ class Coordinator:
         if msg.kind == Kind.TASK_RENEW:
             return self._renew(msg, windows.queue)
         if msg.kind == Kind.TASK_DONE:
-            fields = _done_fields(msg.text)
-            outcome = self._counted(
-                msg, windows.queue.finish(fields["lease"], f"{msg.sender:x}", fields["samples"])
+            fields = _done_fields(msg.text, exact=True)
+            note = self._checkpoint_watch().note() if windows.queue.saved_by_pservers else None
+            finished = windows.queue.finish(
+                fields["lease"], f"{msg.sender:x}", fields["samples"], fields["exact"], note
             )
+            outcome = self._counted(msg, finished)
+            if outcome == "counted":
+                self.lease_times.finished(fields["lease"], time.monotonic())
         else:
             outcome = self._fail(msg, windows.queue)
         self._save()
@@ -378,6 +451,7 @@ class Coordinator:
     def _report_failure(self, lease: Lease, reason: str, outcome: str) -> None:
         book = self._book
         assert book is not None
+        self.lease_times.failed_lease(lease.id)
         what_kind = "task" if self.queue is not None else "window"
         failures = book.failures.get(lease.task, 0)
         what = (
@@ -468,6 +542,10 @@ class Coordinator:
             f"report them), {len(q.todo)} to do, {len(q.discarded)} discarded"
         )
 
+    def trainers_heard(self, now: float) -> int:
+        """Trainer processes heard from within their lease allowance (for the metrics)."""
+        return sum(not clock.expired(now) for clock in self._clocks.values())
+
     def status(self) -> dict[str, Any]:
         if self.windows is not None:
             return {
@@ -480,9 +558,11 @@ class Coordinator:
         return {"configured": True, "dataset": self.dataset_path, **self.queue.status()}
 
 
-def _done_fields(text: str) -> dict[str, Any]:
-    """A TASK_DONE's fields, checked: its lease, the samples it trained on, its mean loss."""
-    fields = json_fields(text, {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT})
+def _done_fields(text: str, exact: bool = False) -> dict[str, Any]:
+    """A TASK_DONE's fields, checked: its lease, the samples it trained on, its mean loss
+    (and, `exact`, whether every batch's gradients named their batch: a window's)."""
+    schema: dict[str, Any] = {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT}
+    fields = json_fields(text, schema | {"exact": bool} if exact else schema)
     if fields["samples"] < 0 or (fields["loss"] is not None and not math.isfinite(fields["loss"])):
         raise Error(f"a task report needs samples >= 0 and a finite loss, got {text!r}")
     return fields

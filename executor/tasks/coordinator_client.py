@@ -156,5 +156,10 @@ class CoordinatorWindows(_Leases):
             raise Error(f"the coordinator sent an invalid window {reply.text!r}")
         return WindowLease(f["lease"], f["window"], f["start"], f["stop"], f["attempt"], f["timeout"])
 
+    def finish(self, lease: WindowLease, samples: int, loss: float | None, exact: bool = True) -> None:
+        """`exact`: every batch's gradients named their batch (applied exactly once)."""
+        body = {"lease": lease.lease, "samples": samples, "loss": loss, "exact": exact}
+        self.client.call(Kind.TASK_DONE, body)
+
     def stop(self) -> None:
         self.stopping = True

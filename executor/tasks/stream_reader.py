@@ -2,7 +2,7 @@
 
 The `read` op asks it for the next batch, as it asks a dataset's TaskReader. It holds one
 window at a time: the batches of the window's records in order, then (once the step
-using the last batch has run, that is, at the next read) it reports the window done,
+using the last batch has run, before that run returns) it reports the window done,
 and the window's records count as applied: the stream's committed offset for the
 reader's consumer group moves past the windows done in order. Windows come from the
 job's coordinator, or, for a plain Executor with no coordinator, from StreamWindows in
@@ -13,7 +13,8 @@ TaskReader does for a task; when the windows are stopped (the job drains, or a r
 that does not follow the stream read what it held) the read raises EOFException.
 
 Records that fail their checks (a bad CRC, wrong fields) are never trained on: the
-reader skips them and says so, once per window.
+reader skips them, appends each to the dead-letter file (dead_letters.py: the reader's
+`dead_letters`, else FLUIDPS_DEAD_LETTERS), counts them and says so, once per window.
 
 A window whose trainer died goes to another, which reads it from its first record. So
 that the batches the first one pushed are not applied twice, the step's SENDs name the
@@ -27,6 +28,7 @@ acknowledged.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from fluidps.errors import EOFException, NoDataYet, StreamError
-from fluidps.executor.ps.applied_batches import batch_tag, stream_id
+from fluidps.executor.ps.applied_batches import batch_tag, stream_id, window_key
+from fluidps.executor.tasks.dead_letters import DeadLetters
 from fluidps.executor.tasks.stream_windows import StreamWindows
 from fluidps.executor.tasks.task_reader import LossTally
 from fluidps.executor.tasks.window_queue import WindowConfig
@@ -45,8 +48,10 @@ from fluidps.ops.reader import StreamReaderSpec
 if TYPE_CHECKING:
     from fluidps.executor.tasks.task_reader import Readers
 
+DEAD_LETTERS_ENV = "FLUIDPS_DEAD_LETTERS"  # where a reader with no dead_letters of its own writes them
 # Waiting for records, a reader asks again after WAIT_POLL_S, then twice as long each
-# time up to WAIT_POLL_MAX_S: soon while records trickle in, rarely while the stream is quiet.
+# time up to WAIT_POLL_MAX_S: soon while records trickle in, rarely while the stream is quiet
+# (and at least four times a window_seconds: a window closed by time is asked for soon).
 WAIT_POLL_S = 0.05
 WAIT_POLL_MAX_S = 1.0
 
@@ -66,7 +71,8 @@ class WindowSource(Protocol):
 
     def acquire(self) -> WindowLease | str: ...  # a lease, "wait" or "stopped"
 
-    def finish(self, lease: WindowLease, records: int, loss: float | None) -> None: ...
+    # `exact`: every batch's gradients named their batch (fluidps.executor.ps.applied_batches)
+    def finish(self, lease: WindowLease, records: int, loss: float | None, exact: bool) -> None: ...
 
     def fail(self, lease: WindowLease, reason: str) -> None: ...
 
@@ -112,8 +118,13 @@ class StreamReader:
         self.exhausted = False
         self._stopping = False  # (set by stop(), maybe in a signal handler: acted on at the next ask)
         self._poll_s = WAIT_POLL_S
+        self._poll_max = (
+            min(WAIT_POLL_MAX_S, spec.window_seconds / 4) if spec.window_seconds else WAIT_POLL_MAX_S
+        )
         self.batch_tag: str | None = None  # the batch of the step running now, as its SENDs name it
         self._stream_id = stream_id(spec.source, spec.group)
+        dead_letters = spec.dead_letters or os.environ.get(DEAD_LETTERS_ENV, "").strip()
+        self._dead_letters = DeadLetters(dead_letters) if dead_letters else None
 
     @property
     def last_batch(self) -> int:
@@ -147,7 +158,7 @@ class StreamReader:
                     raise NoDataYet(f"no window of stream {self.spec.source} is ready")
                 if not self._readers.idle_trainer():
                     time.sleep(self._poll_s)
-                    self._poll_s = min(self._poll_s * 2, WAIT_POLL_MAX_S)
+                    self._poll_s = min(self._poll_s * 2, self._poll_max)
                 continue
             self._poll_s = WAIT_POLL_S
             self._lease, self._cursor, self._renewed = got, 0, time.monotonic()
@@ -156,9 +167,14 @@ class StreamReader:
 
     def observe(self, fetched: list[Any]) -> None:
         """After a step: its first scalar floating fetch counts as this batch's loss (and
-        the step's SENDs are behind: no other program's SEND names this batch)."""
+        the step's SENDs are behind: no other program's SEND names this batch). After the
+        window's last batch, the window is done now, so that the run returns with it
+        committed (a loop may export then), not at the next read."""
         self._losses.observe(fetched, self._batch)
         self.batch_tag = None
+        left = len(self._records) - self._cursor if self._records is not None else 0
+        if self._lease is not None and self._source is not None and left == 0:
+            self._finish(self._source)
 
     def fail_current(self, reason: str) -> None:
         """The step using this window's batch failed: the window goes back (or is discarded)."""
@@ -176,8 +192,7 @@ class StreamReader:
         if self._lease is not None and self._source is not None:
             lease, self._lease = self._lease, None
             if self._records is not None and self._cursor >= len(self._records):
-                self._readers.settle()  # (its gradients acknowledged before it counts as done)
-                self._source.finish(lease, self._cursor, self._losses.mean())
+                self._source.finish(lease, self._cursor, self._losses.mean(), self._delivered(lease))
             else:
                 self._source.release(lease)
         if self._source is not None:
@@ -193,9 +208,14 @@ class StreamReader:
         if records.bad:
             self.bad_records += len(records.bad)
             first = records.bad[0]
+            kept = ""
+            if self._dead_letters is not None:
+                window = (lease.start, lease.stop)
+                problem = self._dead_letters.write(self.spec.source, self.spec.group, window, records.bad)
+                kept = f" ({problem})" if problem else f" (written to {self._dead_letters.path})"
             print(
                 f"stream {self.spec.source}: window {lease.window} ({lease.start}..{lease.stop - 1}): "
-                f"{len(records.bad)} bad record(s) skipped, the first at offset {first.offset}: {first.reason}",
+                f"{len(records.bad)} bad record(s) skipped{kept}, the first at offset {first.offset}: {first.reason}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -217,7 +237,10 @@ class StreamReader:
     def _take(self, count: int, source: WindowSource) -> dict[str, np.ndarray]:
         records, start = self._records, self._cursor
         assert records is not None and self._lease is not None
-        self.batch_tag = batch_tag(self._stream_id, self._lease.start, int(records.offsets[start]))
+        batches, reading = -(-len(records) // self.spec.batch_size), int(records.offsets[0])
+        self.batch_tag = batch_tag(
+            self._stream_id, self._lease.start, int(records.offsets[start]), batches, reading
+        )
         self._cursor += count
         self._batch = count
         self.records_read += count
@@ -236,10 +259,15 @@ class StreamReader:
         lease, self._lease = self._lease, None
         assert lease is not None
         self.batch_tag = None
-        self._readers.settle()  # (the window's last gradients applied before it counts as done)
-        source.finish(lease, self._cursor, self._losses.mean())
+        source.finish(lease, self._cursor, self._losses.mean(), self._delivered(lease))
         self._records = None
         self.windows_done += 1
+
+    def _delivered(self, lease: WindowLease) -> bool:
+        """Wait until the pservers acknowledged every gradient computed (a window counts as
+        done only then); whether the window's batches were each named (exactly once)."""
+        untagged = self._readers.deliver()
+        return window_key(self._stream_id, lease.start) not in untagged
 
     def _bind(self) -> WindowSource:
         if self._readers.coordinator is None:
@@ -272,7 +300,7 @@ class LocalWindows:
         window = self.windows.queue.window(got)
         return WindowLease(got.id, window.id, window.start, window.stop, got.attempt, math.inf)
 
-    def finish(self, lease: WindowLease, records: int, loss: float | None) -> None:
+    def finish(self, lease: WindowLease, records: int, loss: float | None, exact: bool) -> None:
         self.windows.queue.finish(lease.lease, "local", records)
         self.windows.commit()
 

@@ -37,11 +37,13 @@ class StreamWindows:
         follow: bool = True,
         timeout: float = 60.0,
         max_failures: int = 3,
+        saved_by_pservers: bool = False,
     ) -> StreamWindows:
         """Windows from the group's committed offset on (the stream's start, or past the
-        records retention retired)."""
+        records retention retired); `saved_by_pservers`: committed once the pservers'
+        checkpoints hold them (WindowQueue)."""
         start = max(source.committed(config.group), source.start_offset())
-        return cls(source, WindowQueue(config, start, timeout, max_failures), follow)
+        return cls(source, WindowQueue(config, start, timeout, max_failures, saved_by_pservers), follow)
 
     def cut(self, now: float) -> list[Window]:
         """Cut the windows the records that arrived make now."""

@@ -261,9 +261,11 @@ class Readers:
     `wait_for_tasks`: a reader with no task now waits for one, calling `idle_trainer`
     between its asks (which returns whether to ask again at once: the job moved on
     meanwhile), unless a client drives this executor step by step (an executor
-    server): then it raises NoDataYet and the step is skipped. `settle`: wait until the
+    server): then it raises NoDataYet and the step is skipped. `deliver`: wait until the
     pservers acknowledged every gradient sent (a stream reader calls it before it
-    reports a window done: its records are applied then).
+    reports a window done: its records are applied then); it returns the windows
+    (applied_batches.window_key) whose batches' gradients went without naming them
+    (those are applied at least once, the others exactly once).
     """
 
     def __init__(
@@ -271,12 +273,12 @@ class Readers:
         coordinator: str | None,
         connect: Callable[[str, dict[str, Any]], TaskSource],
         idle_trainer: Callable[[], bool],
-        settle: Callable[[], None] = lambda: None,
+        deliver: Callable[[], frozenset[str]] = frozenset,
     ):
         self.coordinator = coordinator
         self.wait_for_tasks = True
         self.idle_trainer = idle_trainer
-        self.settle = settle
+        self.deliver = deliver
         self._connect = connect
         self._open: dict[str, TaskReader | StreamReader] = {}
 

@@ -11,10 +11,12 @@ import time
 
 import numpy as np
 import pytest
+import stream_books
 import zmq
 from rpc_harness import SECRET
 
 from fluidps.errors import RemoteError
+from fluidps.executor.ps.applied_batches import stream_id
 from fluidps.executor.tasks.coordinator import Coordinator
 from fluidps.executor.transport.rpc import RpcClient
 from fluidps.executor.transport.settings import RpcSettings
@@ -187,9 +189,9 @@ def appended(tmp_path, n: int) -> StreamLog:
     return log
 
 
-def report(client: RpcClient, window: dict, kind: int = Kind.TASK_DONE) -> str:
+def report(client: RpcClient, window: dict, kind: int = Kind.TASK_DONE, exact: bool = True) -> str:
     body = (
-        {"lease": window["lease"], "samples": window["stop"] - window["start"], "loss": None}
+        {"lease": window["lease"], "samples": window["stop"] - window["start"], "loss": None, "exact": exact}
         if kind == Kind.TASK_DONE
         else {"lease": window["lease"], "reason": "its step failed"}
     )
@@ -355,3 +357,55 @@ def test_the_books_of_a_finished_or_overtaken_run_are_not_resumed(tmp_path):
         assert log.committed("trainers") == 120
     finally:
         third.stop()
+
+
+def test_a_window_is_committed_once_the_pservers_checkpoints_hold_it_and_goes_again_when_one_lost_it(
+    tmp_path,
+):
+    log = appended(tmp_path, 60)
+    source = f"log:{log.path}"
+
+    def checkpoint(directory, pserver: int, windows: list[int], books=None):
+        return stream_books.checkpoint(
+            directory, pserver, stream_id(source, "trainers"), windows, books=books
+        )
+
+    ckpts = tmp_path / "checkpoints"
+    job = Running(stream=source, checkpoints=str(ckpts), pservers=1)
+    try:
+        client = job.client(0, 0xA)
+        books = checkpoint(ckpts, 0, [])  # (as the pserver starts serving)
+        deadline = time.monotonic() + 30
+
+        def committed(offset: int) -> None:
+            while log.committed("trainers") != offset:
+                assert time.monotonic() < deadline, f"offset {offset} was never committed"
+                time.sleep(0.05)
+
+        first = json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
+        assert report(client, first) == "counted"
+        assert log.committed("trainers") == 0  # done, but no checkpoint holds it yet
+        waiting = client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))
+        second = json.loads(waiting.text)
+        checkpoint(ckpts, 0, [0], books)  # the pserver checkpoints window 0
+        committed(30)
+        assert report(client, second) == "counted"
+        last = client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))
+        assert (last.kind, last.text) == (Kind.NO_TASK, "wait")  # not drained: window 1 may go again
+
+        checkpoint(ckpts, 0, [0])  # killed, it came back from that checkpoint (new books) without window 1
+        deadline = time.monotonic() + 30
+        while (got := client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))).kind != Kind.TASK:
+            assert time.monotonic() < deadline, "window 1 never went out again"
+            time.sleep(0.05)
+        again = json.loads(got.text)
+        assert (again["window"], again["start"]) == (1, 30)
+        assert report(client, again) == "counted"
+        checkpoint(ckpts, 0, [0, 30])
+        committed(60)
+        stopped = client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))
+        assert (stopped.kind, stopped.text) == (Kind.NO_TASK, "stopped")
+        status = json.loads(client.call(Message(Kind.STATUS)).text)["stream"]
+        assert status["replayed"] == 1 and status["records"] == 60 and status["awaiting_checkpoints"] == 0
+    finally:
+        job.stop()

@@ -211,3 +211,37 @@ def test_a_stream_with_no_records_yet_is_checked_when_its_records_come(tmp_path)
     exe.run(startup, scope=scope)
     with pytest.raises(fluidps.ExecutionError, match="field 'x' is float32"):
         exe.run(main, fetch_list=[out], scope=scope)
+
+
+def test_records_that_fail_their_check_go_to_the_dead_letter_file(tmp_path, monkeypatch):
+    import base64
+    import json
+
+    log = StreamLog(tmp_path / "log")
+    log.append(records(0, 10))
+    segment = log.segments()[0][1]
+    size = (segment.stat().st_size - HEADER.size) // 10
+    data = bytearray(segment.read_bytes())
+    for bad in (3, 7):
+        data[HEADER.size + bad * size + 20] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    letters = tmp_path / "letters" / "bad.jsonl"
+    monkeypatch.setenv("FLUIDPS_DEAD_LETTERS", str(tmp_path / "elsewhere.jsonl"))  # (the reader's own wins)
+    main, startup, idx, loss = model(
+        f"log:{tmp_path / 'log'}", 4, window_records=5, follow=False, dead_letters=letters
+    )
+    scope = fluidps.Scope()
+    exe = fluidps.Executor()
+    exe.run(startup, scope=scope)
+    seen = np.concatenate(train(exe, main, idx, loss, scope))
+    exe.close()
+    assert seen.tolist() == [0, 1, 2, 4, 5, 6, 8, 9]
+    lines = [json.loads(line) for line in letters.read_text().splitlines()]
+    assert [(x["offset"], x["window"], x["group"]) for x in lines] == [
+        (3, [0, 5], "trainers"),
+        (7, [5, 10], "trainers"),
+    ]
+    assert all(
+        "CRC" in x["reason"] and len(base64.b64decode(x["raw"])) == x["raw_bytes"] == size for x in lines
+    )
+    assert not (tmp_path / "elsewhere.jsonl").exists()

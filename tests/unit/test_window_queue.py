@@ -7,7 +7,15 @@ import json
 import pytest
 
 from fluidps.errors import Error
-from fluidps.executor.tasks.window_queue import CUT_AHEAD, DISCARDED_KEPT, Window, WindowConfig, WindowQueue
+from fluidps.executor.tasks.window_queue import (
+    CUT_AHEAD,
+    DISCARDED_KEPT,
+    UNSAVED_MAX,
+    Awaiting,
+    Window,
+    WindowConfig,
+    WindowQueue,
+)
 
 
 def dense(end: int):
@@ -55,7 +63,7 @@ def test_the_committed_offset_moves_past_windows_done_in_order_only():
     a, b, c = (q.acquire(t, f"w{t}", 1.0) for t in range(3))
     assert [q.window(le) for le in (a, b, c)] == [Window(0, 0, 10), Window(1, 10, 20), Window(2, 20, 30)]
     assert q.acquire(3, "w3", 1.0) == "wait"
-    assert q.finish(b.id, "w1", 10, {"pserver.0": 7}) and q.committed == 0  # window 0 is not done
+    assert q.finish(b.id, "w1", 10) and q.committed == 0  # window 0 is not done
     assert q.status()["done_ahead"] == 1
     assert q.finish(a.id, "w0", 10) and q.committed == 20
     assert q.finish(c.id, "w2", 10) and q.committed == 30 and q.records == 30 and not q.windows
@@ -107,7 +115,7 @@ def test_a_snapshot_restores_the_queue_and_a_broken_one_is_refused():
     done = q.acquire(0, "w0", 0.0)
     ahead = q.acquire(1, "w1", 0.0)
     pending = q.acquire(2, "w2", 0.0)
-    q.finish(ahead.id, "w1", 10, {"pserver.0": 3})
+    q.finish(ahead.id, "w1", 10)
     assert q.finish(done.id, "w0", 10) and q.committed == 20
     snapshot = json.loads(json.dumps(q.to_snapshot()))  # (as the coordinator writes it)
     back = WindowQueue.from_snapshot(snapshot, now=100.0)
@@ -181,3 +189,54 @@ def test_postponed_deadlines_keep_leases_a_stalled_coordinator_could_not_renew()
     lease = q.acquire(0, "w0", 0.0)
     q.postpone(10.0)  # the loop was held 10 s: nobody's renewal could be read
     assert q.expire(12.0) == [] and q.expire(15.0) == [(lease, "requeued")]
+
+
+def test_windows_saved_by_the_pservers_commit_once_their_checkpoints_hold_them():
+    q = queue(10, saved_by_pservers=True)
+    q.offer(50, 0.0, dense(50))
+    leases = [q.acquire(k, f"w{k}", 0.0) for k in range(4)]
+    zero, one = {0: [3, "a0"], 1: [5, "b0"]}, {0: [3, "a0"]}
+    assert q.finish(leases[0].id, "w0", 10, note=zero) and q.committed == 0  # done, not yet saved
+    assert q.finish(leases[1].id, "w1", 10, note=one) and q.finish(
+        leases[2].id, "w2", 10, exact=False, note=one
+    )
+    assert q.finish(leases[3].id, "w3", 0, note=one)  # (no records: nothing sent, nothing to wait for)
+    assert q.awaiting() == {0: Awaiting(zero, True), 10: Awaiting(one, True), 20: Awaiting(one, False)}
+    assert q.status()["awaiting_checkpoints"] == 3 and q.records == 30
+    q.saved([10, 20])
+    assert q.committed == 0  # windows 1 and 2 are saved, but window 0 is not
+    snapshot = json.loads(json.dumps(q.to_snapshot()))
+    back = WindowQueue.from_snapshot(snapshot, 0.0)
+    assert back.awaiting() == {0: Awaiting(zero, True)} and back.status() == q.status()
+
+    assert [(w.start, w.stop) for w in back.reopen([0])] == [(0, 10)]  # a restored pserver lost it
+    assert (
+        back.records == 20 and back.trained == 30 and back.status()["replayed"] == 1 and back.committed == 0
+    )
+    again = back.acquire(5, "w5", 0.0)
+    assert again.task == 0  # first, before the windows waiting in todo
+    back.finish(again.id, "w5", 10, note={0: [4, "a1"], 1: [6, "b0"]})
+    back.saved([0])
+    assert back.committed == 40 and back.records == 30 and back.trained == 40
+
+
+def test_a_drained_queue_waits_for_windows_the_pservers_have_not_saved():
+    q = queue(10, saved_by_pservers=True)
+    q.offer(10, 0.0, dense(10), final=True)
+    lease = q.acquire(0, "w0", 0.0)
+    q.finish(lease.id, "w0", 10, note={})
+    assert q.acquire(0, "w0", 0.0) == "wait" and not q.drained  # it may go out again
+    q.saved([0])
+    assert q.acquire(0, "w0", 0.0) == "stopped" and q.drained and q.committed == 10
+
+
+def test_no_more_windows_are_cut_while_too_many_wait_for_the_pservers():
+    q = queue(1, saved_by_pservers=True)
+    end = UNSAVED_MAX + CUT_AHEAD + 20
+    while len(q.unsaved) < UNSAVED_MAX:
+        q.offer(end, 0.0, dense(end))
+        q.finish(q.acquire(0, "w0", 0.0).id, "w0", 1)
+    cut = q.next_start
+    assert q.offer(end, 0.0, dense(end)) == [] and q.next_start == cut  # (those cut before still go out)
+    q.saved(list(range(cut)))
+    assert q.committed == UNSAVED_MAX and q.offer(end, 0.0, dense(end))

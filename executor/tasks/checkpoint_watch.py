@@ -1,0 +1,117 @@
+"""Which stream windows the pservers' checkpoints hold, and which a pserver lost.
+
+In a streaming job whose pservers drop what they applied before (async, SSP), each
+checkpoint records the stream batches its values hold, with the books' incarnation:
+new for every pserver process, and for every restore (fluidps.executor.ps.
+applied_batches). A streaming job's pserver checkpoints once before it serves, so each
+incarnation is on disk before it acknowledges anything. A pserver killed and restored
+from its newest checkpoint has lost what it applied since, though its trainers were
+told it was applied. So the coordinator commits a window's offsets only once every
+pserver's checkpoint holds it, and hands a window a pserver lost out again.
+
+When a window is reported done, the coordinator notes each pserver's newest checkpoint
+and incarnation (`note`). Then, per pserver (`judge`):
+
+- a checkpoint whose books hold the window (each gradient, each batch) saves it;
+- a newer checkpoint of the same incarnation saves it too: the trainer reported the
+  window after the pserver acknowledged its gradients, and a pserver acknowledges
+  nothing while it takes a checkpoint, which holds every gradient acknowledged before
+  it; so it holds all of the window the pserver got (a batch may send a pserver nothing);
+- a checkpoint of another incarnation that does not hold it means the pserver came back
+  from a checkpoint taken before it: the window goes out again. Batches each named are
+  dropped by the pservers that hold them (exactly once); a window whose batches went
+  unnamed (merged over steps) is applied again where it was not lost (at least once).
+
+A pserver whose checkpoints keep no books (sync mode: batches at least once) or that
+applies no gradient is not asked.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fluidps.errors import CheckpointError, Error
+from fluidps.executor.ps.applied_batches import CheckpointBooks
+from fluidps.executor.tasks.window_queue import Awaiting
+from fluidps.io import checkpoints as ckpt
+
+# A window's note: per pserver, [the count of its newest checkpoint, that books' incarnation].
+Note = dict[int, list]
+
+
+@dataclass(frozen=True)
+class _Newest:
+    count: int
+    incarnation: str | None  # None: no books (not asked)
+    held: set[int] | None  # window starts of the stream held; None: this pserver is not asked
+
+
+@dataclass(frozen=True)
+class Verdict:
+    saved: list[int]  # windows (by start) every pserver's checkpoint saved
+    lost: dict[int, list[int]]  # windows (by start) -> the pservers that came back without them
+
+
+class CheckpointWatch:
+    """The newest checkpoint manifest of each of `pservers` pservers in `directory`, read
+    as it changes, for the windows of `stream` (applied_batches.stream_id's)."""
+
+    def __init__(self, directory: str | os.PathLike, pservers: int, stream: str):
+        if pservers < 1:
+            raise Error(f"a checkpoint watch needs the job's pserver count (>= 1), got {pservers}")
+        self.directory = Path(directory)
+        self.pservers = pservers
+        self.stream = stream
+        self._newest: dict[int, _Newest] = {}
+        self.problems: list[str] = []  # manifests that could not be read (the next one is)
+        self._unreadable: set[Path] = set()  # (said once each)
+
+    def refresh(self) -> None:
+        """Read each pserver's newest manifest if it is new."""
+        for pserver, (count, path) in ckpt.newest_manifests(self.directory).items():
+            if pserver >= self.pservers or (pserver in self._newest and self._newest[pserver].count >= count):
+                continue
+            if path in self._unreadable:
+                continue
+            try:
+                body = ckpt.read_manifest(path).applied_batches
+                books = CheckpointBooks.read(body) if body is not None else None
+            except (CheckpointError, Error) as e:  # (a manifest removed or half read: the next one)
+                self.problems.append(f"{path.name}: {e}")
+                self._unreadable.add(path)
+                continue
+            held = books.held(self.stream) if books is not None else None
+            self._newest[pserver] = _Newest(count, books.incarnation if held is not None else None, held)
+
+    def note(self) -> Note:
+        """What to keep with a window reported done now (after a refresh)."""
+        self.refresh()
+        return {p: [newest.count, newest.incarnation] for p, newest in self._newest.items()}
+
+    def judge(self, windows: dict[int, Awaiting]) -> Verdict:
+        """For windows (by start) waiting on checkpoints: those every pserver saved, and
+        those a pserver lost. The others wait."""
+        saved, lost = [], {}
+        for start, (note, exact) in windows.items():
+            pending, lacking = False, []
+            for pserver in range(self.pservers):
+                newest = self._newest.get(pserver)
+                if newest is None:
+                    pending = True  # (no checkpoint of it yet)
+                    continue
+                if newest.held is None:
+                    continue  # (it keeps no books, or applies no gradient)
+                count, incarnation = note.get(pserver, (0, None))
+                if exact and start in newest.held:
+                    continue
+                if newest.incarnation != incarnation:
+                    lacking.append(pserver)  # (came back from a checkpoint without it)
+                elif newest.count <= count:
+                    pending = True  # (no checkpoint since the window was done)
+            if lacking:
+                lost[start] = lacking
+            elif not pending:
+                saved.append(start)
+        return Verdict(saved, lost)
