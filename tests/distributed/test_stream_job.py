@@ -45,6 +45,21 @@ def launch(tmp_path, log: StreamLog, out: Path, *script_args: str, options: tupl
         return subprocess.Popen(command, stdout=launch_log, stderr=subprocess.STDOUT, env=env)
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a launcher still running, and its job: SIGTERM drains a streaming job, a second
+    one stops it at once (the launcher stops its processes; a SIGKILL would leave them)."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def wait_for(proc: subprocess.Popen, log_path: Path, condition, what: str) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not condition():
@@ -87,9 +102,7 @@ def test_a_streaming_job_trains_each_record_once_and_drains_on_sigterm(tmp_path)
     finally:
         stop_appending.set()
         appender.join(timeout=30)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop(proc)
     text = (tmp_path / "launch.log").read_text()
     assert status == 0, text[-4000:]
     assert "draining" in text and "records applied" in text
@@ -128,9 +141,7 @@ def test_a_trainer_killed_mid_window_loses_nothing_and_applies_nothing_twice(tmp
         os.kill(pid, signal.SIGKILL)
         status = proc.wait(timeout=TIMEOUT)  # (follow=0: the job ends once every window is done)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop(proc)
     text = log_path.read_text()
     assert status == 0, text[-4000:]
     assert re.search(
@@ -180,9 +191,7 @@ def test_a_pserver_killed_mid_job_comes_back_and_every_record_is_applied_once(tm
         os.kill(pid, signal.SIGKILL)
         status = proc.wait(timeout=TIMEOUT)  # (follow=0: the job ends once every window is done and saved)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop(proc)
     text = log_path.read_text()
     assert status == 0, text[-4000:]
     assert "restores its newest checkpoint" in text, text[-4000:]
