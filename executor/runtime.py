@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from fluidps.errors import ExecutionError, TransportError
 from fluidps.executor.block_runner import BlockRunner
+from fluidps.executor.ps.applied_batches import Delivered
 from fluidps.executor.ps.checkpointer import CheckpointOverrides
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.ir.program import Block
@@ -203,10 +204,10 @@ class Runtime:
         trainer.pause()
         return False
 
-    def _deliver_sends(self) -> frozenset[str]:
-        """Wait until the pservers acknowledged every gradient this trainer computed; the
-        stream windows some of whose went unnamed (TrainerClient.deliver_all)."""
-        return self._trainer.deliver_all() if self._trainer is not None else frozenset()
+    def _deliver_sends(self) -> Delivered:
+        """Wait until the pservers acknowledged every gradient this trainer computed
+        (TrainerClient.deliver_all)."""
+        return self._trainer.deliver_all() if self._trainer is not None else Delivered()
 
     def _coordinator_source(self, address: str, request: dict[str, Any]) -> TaskSource | WindowSource:
         """A reader's tasks from the coordinator: a dataset's, or a stream's windows."""

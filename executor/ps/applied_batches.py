@@ -47,10 +47,14 @@ from typing import Any, NamedTuple
 
 from fluidps.errors import Error, WireError
 
-_OFFSET = r"([0-9]{1,19})"
+_OFFSET = r"([0-9]{1,18})"  # (below 2**63, as the books require)
 TAG = re.compile(rf"stream-batch ([0-9a-f]{{16}}) {_OFFSET} {_OFFSET} ([0-9]{{1,9}}) {_OFFSET}")
 STREAM_ID = re.compile(r"[0-9a-f]{16}")
+# What a pserver keeping books says when it acknowledges gradients: its id, its newest
+# checkpoint's count and the books' incarnation (fluidps.executor.tasks.checkpoint_watch).
+ACK = re.compile(r"checkpoint ([0-9]{1,9}) ([0-9]{1,9}) ([0-9a-f]{16})")
 WINDOWS_KEPT = 1024
+MAX_RUN = 1 << 20  # batches a run of books read back may hold (a window's are far fewer)
 
 # Offsets as runs: [first, step, count] stands for first, first + step, ... (count of them).
 Runs = list[list[int]]
@@ -98,6 +102,29 @@ def parse_tag(text: str) -> BatchKey | None:
             f"(START <= READING <= FIRST), got {text[:80]!r}"
         )
     return BatchKey(match[1], int(match[2]), int(match[3]), int(match[4]), int(match[5]))
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """What a trainer's gradients since its last window came to (TrainerClient.deliver_all):
+    the windows some of whose batches went unnamed (window_key's), and per pserver keeping
+    books, [its newest checkpoint's count, the books' incarnation] as its latest
+    acknowledgement said."""
+
+    untagged: frozenset[str] = frozenset()
+    acked: dict[int, list] = field(default_factory=dict)
+
+
+def ack_text(pserver: int, checkpoint: int, incarnation: str) -> str:
+    """What a pserver keeping books says in each acknowledgement of gradients."""
+    return f"checkpoint {pserver} {checkpoint} {incarnation}"
+
+
+def parse_ack(text: str) -> tuple[int, list] | None:
+    """(pserver, [checkpoint count, incarnation]) of an acknowledgement's text; None
+    when it says nothing of the kind."""
+    match = ACK.fullmatch(text) if text else None
+    return (int(match[1]), [int(match[2]), match[3]]) if match else None
 
 
 def to_runs(offsets: Iterable[int]) -> Runs:
@@ -161,9 +188,34 @@ class AppliedBatches:
         self.dropped = 0  # gradients dropped as already applied
 
     def fresh(self, tag: BatchKey, names: list[str]) -> tuple[list[str], list[str]]:
-        """(names to apply, names already applied) of a SEND of batch `tag`; counts the
-        first as applied. Call it for a SEND accepted by a pserver that applies what it
-        accepts (async, SSP)."""
+        """(names to apply, names already applied) of a SEND of batch `tag`, counting the
+        first as applied (split, then mark)."""
+        keep, applied = self.split(tag, names)
+        self.mark(tag, names)
+        return keep, applied
+
+    def split(self, tag: BatchKey, names: list[str]) -> tuple[list[str], list[str]]:
+        """(names to apply, names already applied) of a SEND of batch `tag`; mark the
+        batch's gradients once they are accepted (a pserver that applies what it accepts:
+        async, SSP)."""
+        window = self._window(tag)
+        applied = [n for n in names if window.applied(n, tag.first)]
+        self.dropped += len(applied)
+        return [n for n in names if n not in applied], applied
+
+    def mark(self, tag: BatchKey, names: list[str]) -> None:
+        """Count batch `tag`'s gradients `names` applied (for this reading, also those
+        applied in an earlier one)."""
+        window = self._window(tag)
+        for name in names:
+            if in_runs(tag.first, window.complete.get(name, [])):
+                continue
+            offsets = window.open.setdefault(name, set())
+            offsets.add(tag.first)
+            if len(offsets) >= window.batches:
+                window.complete[name] = to_runs(window.open.pop(name))
+
+    def _window(self, tag: BatchKey) -> _Window:
         key = (tag.stream, tag.start)
         window = self._windows.get(key)
         if window is None:
@@ -174,16 +226,7 @@ class AppliedBatches:
             self._windows.move_to_end(key)
             if (tag.reading, tag.batches) != (window.reading, window.batches):
                 window.new_reading(tag.reading, tag.batches)
-        applied = [n for n in names if window.applied(n, tag.first)]
-        for name in names:
-            if name in applied:
-                continue
-            offsets = window.open.setdefault(name, set())
-            offsets.add(tag.first)
-            if len(offsets) >= window.batches:
-                window.complete[name] = to_runs(window.open.pop(name))
-        self.dropped += len(applied)
-        return [n for n in names if n not in applied], applied
+        return window
 
     def to_manifest(self, gradients: Iterable[str]) -> dict[str, Any]:
         """What a checkpoint records: the books' incarnation, the `gradients` this pserver
@@ -279,7 +322,8 @@ def _offsets(by_gradient: Any, check) -> bool:
 
 def _is_runs(runs: Any) -> bool:
     return isinstance(runs, list) and all(
-        isinstance(r, list) and len(r) == 3 and all(_count(i) for i in r) and r[2] >= 1 for r in runs
+        isinstance(r, list) and len(r) == 3 and all(_count(i) for i in r) and 1 <= r[2] <= MAX_RUN
+        for r in runs
     )
 
 

@@ -75,6 +75,7 @@ class Checkpointer:
         self.saved: list[dict[str, Any]] = []  # this run's checkpoints, for stats
         self.restored_step: int | None = None
         self.restored_books: dict[str, Any] | None = None  # the applied-batch books restored
+        self.newest_count: int | None = None  # the count of the newest checkpoint this process wrote
         self._last = (0, time.monotonic())  # (step, when) of the last checkpoint
         self._last_updates = 0  # the pserver's count of updates applied then
         # This run's last base: its count and each hashed table's step count then.
@@ -180,6 +181,7 @@ class Checkpointer:
         saved = self.store.save(
             values, placements, steps, reason, base=self._base[0] if delta else None, applied_batches=books
         )
+        self.newest_count = saved.count
         if delta:
             self._deltas += 1
         else:

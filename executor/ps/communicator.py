@@ -33,6 +33,7 @@ import zmq
 
 from fluidps.errors import TransportError
 from fluidps.executor.ps import gradients
+from fluidps.executor.ps.applied_batches import parse_ack
 from fluidps.executor.transport.rpc import RpcClient, wait_all
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.executor.transport.wire import Kind, Message
@@ -68,6 +69,7 @@ class Communicator:
         self._merge: dict[Key, str] = {}
         self._pulls: dict[tuple, Sequence[Pull]] = {}  # asked for, not started
         self._pulled: dict[tuple, list[Any]] = {}  # the values of each key's last pull
+        self._acked: dict[int, list] = {}  # per pserver: what its latest acknowledgement said
         self._sending = False  # a round of gradients is on its way
         self._failure: BaseException | None = None
         self._stopping = False
@@ -237,4 +239,16 @@ class Communicator:
                     replaces=self.replaces,
                 )
             pending[endpoint] = (clients[endpoint], clients[endpoint].request(msg))
-        return wait_all(pending)
+        replies = wait_all(pending)
+        with self._lock:
+            for reply in replies.values():
+                if (ack := parse_ack(reply.text)) is not None:
+                    self._acked[ack[0]] = ack[1]
+        return replies
+
+    def take_acks(self) -> dict[int, list]:
+        """What the acknowledgements since the last call said of the pservers' checkpoints
+        (applied_batches.parse_ack), per pserver."""
+        with self._lock:
+            acked, self._acked = self._acked, {}
+        return acked

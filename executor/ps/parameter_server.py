@@ -43,7 +43,7 @@ import numpy as np
 
 from fluidps.errors import CheckpointError, Error, ExecutionError, TransportError
 from fluidps.executor.ps import pserver_stats, pulls, sigterm
-from fluidps.executor.ps.applied_batches import AppliedBatches, BatchKey, parse_tag
+from fluidps.executor.ps.applied_batches import AppliedBatches, BatchKey, ack_text, parse_tag
 from fluidps.executor.ps.checkpointer import Checkpointer
 from fluidps.executor.ps.claims import WaitingClaims
 from fluidps.executor.ps.gradients import GradientSpec, RowLog
@@ -168,7 +168,7 @@ class ParameterServer:
                 if self.checkpoints.restored_books is not None:  # (what the restored values hold)
                     self.applied_batches = AppliedBatches.from_manifest(self.checkpoints.restored_books)
                 self.strategy.start(restored or 0)
-                if self.checkpoints.before_serving and self.spec.mode != "sync":
+                if self.checkpoints.before_serving and self.checkpoints.enabled and self.spec.mode != "sync":
                     self._checkpoint("restored" if restored is not None else "start")
                 while not self.members.done and self._stop_reason is None:
                     self._handle_all(self.server.receive(0.05, wake=self._waker.socket))
@@ -343,13 +343,16 @@ class ParameterServer:
             self.server.error(request, f"{self.name} refused gradients: {'; '.join(wrong)}")
             return
         # (a sync round may leave an evicted trainer's gradients out: there, at least once)
-        tensors = msg.tensors if tag is None or self.spec.mode == "sync" else self._fresh(msg, tag)
+        books = tag is not None and self.spec.mode != "sync"
+        tensors = self._fresh(msg, tag) if books else msg.tensors
         for grad, value in tensors.items():
             if isinstance(value, SelectedRows):
                 self.received_rows.setdefault(grad, RowLog()).add(value.rows)
         if (silence := self.server.clock((msg.trainer_id, msg.sender))) is not None:
             silence.warm = True  # it sent a step: its kernels are compiled
         applied = self.strategy.on_gradients(msg.trainer_id, msg.step, tensors)
+        if books:  # (once accepted: a SEND refused is not counted)
+            self.applied_batches.mark(tag, list(msg.tensors))
         if applied is not None and not applied():
             self.unapplied.append((request, applied))  # (async: no barrier rides on it)
             return
@@ -358,13 +361,25 @@ class ParameterServer:
                 self.strategy.on_barrier(msg.trainer_id, msg.step)
             self._pull(request)
             return
-        self.server.reply(request)
+        self._acknowledge(request)
         if msg.barrier:
             self.strategy.on_barrier(msg.trainer_id, msg.step)
 
+    def _acknowledge(self, request: Request) -> None:
+        self.server.reply(request, Message(Kind.OK, text=self._ack_text()))
+
+    def _ack_text(self) -> str:
+        """What an acknowledgement of gradients says of this pserver's checkpoints when it
+        keeps books (applied_batches.ack_text: its newest checkpoint and the books'
+        incarnation; a trainer reports them with its window, checkpoint_watch.py)."""
+        newest = self.checkpoints.newest_count
+        if self.spec.mode == "sync" or newest is None:
+            return ""
+        return ack_text(self.spec.pserver_id, newest, self.applied_batches.incarnation)
+
     def _fresh(self, msg: Message, tag: BatchKey) -> dict[str, Any]:
         """The gradients of a SEND of stream batch `tag` not applied before (applied_batches.py)."""
-        keep, dropped = self.applied_batches.fresh(tag, list(msg.tensors))
+        keep, dropped = self.applied_batches.split(tag, list(msg.tensors))
         if dropped:
             self.log(
                 f"trainer {msg.trainer_id}'s gradients of the batch at offset {tag[2]} of the stream window at {tag[1]} "
@@ -450,7 +465,8 @@ class ParameterServer:
             values = {name: self._read(name) for name in msg.names}
             if msg.trainer_id >= 0:
                 self.strategy.answered(msg.trainer_id)
-        self.server.reply(request, Message(Kind.VALUES, tensors=values, step=self.strategy.steps))
+        reply = Message(Kind.VALUES, tensors=values, step=self.strategy.steps, text=self._ack_text())
+        self.server.reply(request, reply)
 
     def _read(self, name: str, rows: np.ndarray | None = None) -> Any:
         """What is sent of `name` (or of its `rows`): copied under its lock while the
@@ -466,7 +482,7 @@ class ParameterServer:
             elif request.msg.names:
                 self._pull(request)
             else:
-                self.server.reply(request)
+                self._acknowledge(request)
         waiting, self.deferred = self.deferred, []
         for request in waiting:
             if self._may_answer(request.msg):

@@ -32,7 +32,7 @@ last pulled in the background.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ import numpy as np
 import zmq
 
 from fluidps.errors import TransportError
-from fluidps.executor.ps.applied_batches import tag_window
+from fluidps.executor.ps.applied_batches import Delivered, parse_ack, tag_window
 from fluidps.executor.ps.communicator import Communicator
 from fluidps.executor.ps.gradients import GradientSum
 from fluidps.executor.ps.keepalive import Keepalive
@@ -92,6 +92,9 @@ class TrainerClient:
         # naming them (merged over steps, or queued for the communicator) since the last
         # deliver_all: those are applied at least once.
         self._untagged_windows: set[str] = set()
+        # Per pserver keeping books, what its latest acknowledgement said of its checkpoints
+        # (applied_batches.parse_ack) since the last deliver_all: reported with a window.
+        self._acked: dict[int, list] = {}
         self.sender = sender  # this process's incarnation: pservers tell a restarted trainer by it
         self.replaces = replaces  # the incarnation of this trainer id it replaces, if its launcher said
         self._context_for = context_for
@@ -379,7 +382,7 @@ class TrainerClient:
         """Send what is held, and wait for the acknowledgements of what was sent without waiting."""
         self._flush()
         pending, self._unsettled = self._unsettled, []
-        wait_all(dict(enumerate(pending)))
+        self._note_acks(wait_all(dict(enumerate(pending))).values())
 
     # -- inside --------------------------------------------------------------------------------
 
@@ -414,7 +417,13 @@ class TrainerClient:
         settle = {("earlier", i): pending for i, pending in enumerate(self._unsettled)}
         self._unsettled = []
         replies = wait_all({**settle, **issued})
+        self._note_acks(replies.values())
         return {endpoint: replies[endpoint] for endpoint in issued}
+
+    def _note_acks(self, replies: Iterable[Message]) -> None:
+        for reply in replies:
+            if (ack := parse_ack(reply.text)) is not None:
+                self._acked[ack[0]] = ack[1]
 
     def _pull(self, items: Sequence[Pull], trainer_id: int) -> list[Any]:
         requests: dict[str, Message] = {}
@@ -481,20 +490,23 @@ class TrainerClient:
         self._sums.clear()
         return problems
 
-    def deliver_all(self) -> frozenset[str]:
+    def deliver_all(self) -> Delivered:
         """Everything this trainer computed at the pservers, acknowledged: the gradients
         summed for send_interval, what the communicator holds, every SEND in flight (a
-        stream's window counts as done only after this). Returns the windows whose
-        batches' gradients were pushed since the last call without naming them (applied
-        at least once, not exactly once)."""
+        stream's window counts as done only after this). Returns, since the last call,
+        the windows whose batches' gradients were pushed without naming them (applied at
+        least once, not exactly once) and what the pservers' acknowledgements said of
+        their checkpoints."""
         problems = self.flush()
         if problems:
             raise TransportError("; ".join(problems))
         if self._communicator is not None:
             self._communicator.drain()
+            self._acked.update(self._communicator.take_acks())
         self.settle()
-        untagged, self._untagged_windows = frozenset(self._untagged_windows), set()
-        return untagged
+        delivered = Delivered(frozenset(self._untagged_windows), dict(self._acked))
+        self._untagged_windows, self._acked = set(), {}
+        return delivered
 
     def close(self, leaving: bool = False) -> list[str]:
         """Tell every pserver this trainer is done (or, `leaving` an elastic job before the

@@ -9,21 +9,23 @@ from its newest checkpoint has lost what it applied since, though its trainers w
 told it was applied. So the coordinator commits a window's offsets only once every
 pserver's checkpoint holds it, and hands a window a pserver lost out again.
 
-When a window is reported done, the coordinator notes each pserver's newest checkpoint
-and incarnation (`note`). Then, per pserver (`judge`):
+Each acknowledgement of gradients from a pserver keeping books says its newest
+checkpoint's count and the books' incarnation; a trainer reports, with a window, what
+the last acknowledgements of each pserver said (the window's note). Then, per pserver
+the trainer sent to (`judge`):
 
 - a checkpoint whose books hold the window (each gradient, each batch) saves it;
-- a newer checkpoint of the same incarnation saves it too: the trainer reported the
-  window after the pserver acknowledged its gradients, and a pserver acknowledges
-  nothing while it takes a checkpoint, which holds every gradient acknowledged before
-  it; so it holds all of the window the pserver got (a batch may send a pserver nothing);
+- a checkpoint of the same incarnation newer than the note saves it too: a pserver
+  acknowledges nothing while it takes a checkpoint, which holds every gradient
+  acknowledged before it, so it holds all of the window the pserver got;
 - a checkpoint of another incarnation that does not hold it means the pserver came back
   from a checkpoint taken before it: the window goes out again. Batches each named are
   dropped by the pservers that hold them (exactly once); a window whose batches went
   unnamed (merged over steps) is applied again where it was not lost (at least once).
 
-A pserver whose checkpoints keep no books (sync mode: batches at least once) or that
-applies no gradient is not asked.
+A pserver the trainer sent nothing (no acknowledgement), one whose checkpoints keep no
+books (sync mode: batches at least once) and one that applies no gradient are not asked.
+Checkpoints are told apart by their count, which a restarted pserver continues.
 """
 
 from __future__ import annotations
@@ -36,9 +38,6 @@ from fluidps.errors import CheckpointError, Error
 from fluidps.executor.ps.applied_batches import CheckpointBooks
 from fluidps.executor.tasks.window_queue import Awaiting
 from fluidps.io import checkpoints as ckpt
-
-# A window's note: per pserver, [the count of its newest checkpoint, that books' incarnation].
-Note = dict[int, list]
 
 
 @dataclass(frozen=True)
@@ -85,25 +84,19 @@ class CheckpointWatch:
             held = books.held(self.stream) if books is not None else None
             self._newest[pserver] = _Newest(count, books.incarnation if held is not None else None, held)
 
-    def note(self) -> Note:
-        """What to keep with a window reported done now (after a refresh)."""
-        self.refresh()
-        return {p: [newest.count, newest.incarnation] for p, newest in self._newest.items()}
-
     def judge(self, windows: dict[int, Awaiting]) -> Verdict:
         """For windows (by start) waiting on checkpoints: those every pserver saved, and
         those a pserver lost. The others wait."""
         saved, lost = [], {}
         for start, (note, exact) in windows.items():
             pending, lacking = False, []
-            for pserver in range(self.pservers):
+            for pserver, (count, incarnation) in note.items():
                 newest = self._newest.get(pserver)
                 if newest is None:
-                    pending = True  # (no checkpoint of it yet)
+                    pending = True  # (its checkpoint not read yet)
                     continue
                 if newest.held is None:
                     continue  # (it keeps no books, or applies no gradient)
-                count, incarnation = note.get(pserver, (0, None))
                 if exact and start in newest.held:
                     continue
                 if newest.incarnation != incarnation:

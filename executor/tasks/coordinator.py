@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 
 from fluidps.errors import Error, StreamError
-from fluidps.executor.ps.applied_batches import stream_id
+from fluidps.executor.ps.applied_batches import ack_text, parse_ack, stream_id
 from fluidps.executor.tasks.checkpoint_watch import CheckpointWatch
 from fluidps.executor.tasks.lease_times import LeaseTimes
 from fluidps.executor.tasks.leases import LeaseBook
@@ -70,6 +70,7 @@ DEFAULT_MAX_FAILURES = 3
 LEASE_STRETCH = 2.0
 MAX_CLOCKS = 4096  # trainer processes whose silences it keeps (the least recently heard go)
 REASON_CHARS = 500  # of a failure's reason, kept in the books
+MAX_PSERVERS = 4096  # pservers a window's report may name
 # How often the pservers' checkpoints are looked at for windows waiting on them (seconds).
 WATCH_S = 0.5
 # A request that held the loop this long (a slow stream source) pushes every lease's
@@ -395,10 +396,9 @@ class Coordinator:
         if msg.kind == Kind.TASK_RENEW:
             return self._renew(msg, windows.queue)
         if msg.kind == Kind.TASK_DONE:
-            fields = _done_fields(msg.text, exact=True)
-            note = self._checkpoint_watch().note() if windows.queue.saved_by_pservers else None
+            fields = _done_fields(msg.text, window=True)
             finished = windows.queue.finish(
-                fields["lease"], f"{msg.sender:x}", fields["samples"], fields["exact"], note
+                fields["lease"], f"{msg.sender:x}", fields["samples"], fields["exact"], fields["checkpoints"]
             )
             outcome = self._counted(msg, finished)
             if outcome == "counted":
@@ -513,6 +513,11 @@ class Coordinator:
             if isinstance(body, dict) and "windows" in body:
                 self.windows = StreamWindows.from_snapshot(open_stream(str(body["stream"])), body["windows"])
                 q = self.windows.queue
+                if q.saved_by_pservers and q.unsaved and self.checkpoints is None:
+                    raise Error(
+                        f"{len(q.unsaved)} window(s) wait for the pservers' checkpoints: start the coordinator "
+                        "with --checkpoints DIR --pservers N, as its job did"
+                    )
                 source_committed = self.windows.source.committed(q.config.group)
                 if q.drained or source_committed > q.committed:
                     why = (
@@ -558,14 +563,34 @@ class Coordinator:
         return {"configured": True, "dataset": self.dataset_path, **self.queue.status()}
 
 
-def _done_fields(text: str, exact: bool = False) -> dict[str, Any]:
+def _done_fields(text: str, window: bool = False) -> dict[str, Any]:
     """A TASK_DONE's fields, checked: its lease, the samples it trained on, its mean loss
-    (and, `exact`, whether every batch's gradients named their batch: a window's)."""
+    (and a window's: whether every batch's gradients named their batch, and per pserver
+    what its acknowledgements said of its checkpoints, as {id: [count, incarnation]})."""
     schema: dict[str, Any] = {"lease": int, "samples": int, "loss": OPTIONAL_FLOAT}
-    fields = json_fields(text, schema | {"exact": bool} if exact else schema)
+    fields = json_fields(text, schema | {"exact": bool, "checkpoints": dict} if window else schema)
     if fields["samples"] < 0 or (fields["loss"] is not None and not math.isfinite(fields["loss"])):
         raise Error(f"a task report needs samples >= 0 and a finite loss, got {text!r}")
+    if window:
+        notes = fields["checkpoints"]
+        if len(notes) > MAX_PSERVERS or not all(
+            k.isdigit()
+            and len(k) <= 9
+            and parse_ack(ack_text(int(k), *v) if _note_shape(v) else "") is not None
+            for k, v in notes.items()
+        ):
+            raise Error(
+                f"a window's report names checkpoints as {{pserver: [count, incarnation]}}, got {text[:200]!r}"
+            )
+        fields["checkpoints"] = {int(k): list(v) for k, v in notes.items()}
     return fields
+
+
+def _note_shape(value: Any) -> bool:
+    return (
+        isinstance(value, list) and len(value) == 2 and isinstance(value[0], int) and not isinstance(value[0], bool)
+        and 0 <= value[0] < 10**9 and isinstance(value[1], str)
+    )  # fmt: skip
 
 
 def _is_stream_request(text: str) -> bool:

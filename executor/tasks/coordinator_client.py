@@ -156,9 +156,24 @@ class CoordinatorWindows(_Leases):
             raise Error(f"the coordinator sent an invalid window {reply.text!r}")
         return WindowLease(f["lease"], f["window"], f["start"], f["stop"], f["attempt"], f["timeout"])
 
-    def finish(self, lease: WindowLease, samples: int, loss: float | None, exact: bool = True) -> None:
-        """`exact`: every batch's gradients named their batch (applied exactly once)."""
-        body = {"lease": lease.lease, "samples": samples, "loss": loss, "exact": exact}
+    def finish(
+        self,
+        lease: WindowLease,
+        samples: int,
+        loss: float | None,
+        exact: bool = True,
+        acked: dict | None = None,
+    ) -> None:
+        """`exact`: every batch's gradients named their batch (applied exactly once);
+        `acked`: what the pservers' acknowledgements said of their checkpoints."""
+        checkpoints = {str(p): note for p, note in (acked or {}).items()}
+        body = {
+            "lease": lease.lease,
+            "samples": samples,
+            "loss": loss,
+            "exact": exact,
+            "checkpoints": checkpoints,
+        }
         self.client.call(Kind.TASK_DONE, body)
 
     def stop(self) -> None:

@@ -71,8 +71,11 @@ class WindowSource(Protocol):
 
     def acquire(self) -> WindowLease | str: ...  # a lease, "wait" or "stopped"
 
-    # `exact`: every batch's gradients named their batch (fluidps.executor.ps.applied_batches)
-    def finish(self, lease: WindowLease, records: int, loss: float | None, exact: bool) -> None: ...
+    # `exact`: every batch's gradients named their batch (fluidps.executor.ps.applied_batches);
+    # `acked`: what the pservers' acknowledgements said of their checkpoints (Delivered.acked)
+    def finish(
+        self, lease: WindowLease, records: int, loss: float | None, exact: bool, acked: dict[int, list]
+    ) -> None: ...
 
     def fail(self, lease: WindowLease, reason: str) -> None: ...
 
@@ -192,7 +195,7 @@ class StreamReader:
         if self._lease is not None and self._source is not None:
             lease, self._lease = self._lease, None
             if self._records is not None and self._cursor >= len(self._records):
-                self._source.finish(lease, self._cursor, self._losses.mean(), self._delivered(lease))
+                self._source.finish(lease, self._cursor, self._losses.mean(), *self._delivered(lease))
             else:
                 self._source.release(lease)
         if self._source is not None:
@@ -259,15 +262,16 @@ class StreamReader:
         lease, self._lease = self._lease, None
         assert lease is not None
         self.batch_tag = None
-        source.finish(lease, self._cursor, self._losses.mean(), self._delivered(lease))
+        source.finish(lease, self._cursor, self._losses.mean(), *self._delivered(lease))
         self._records = None
         self.windows_done += 1
 
-    def _delivered(self, lease: WindowLease) -> bool:
+    def _delivered(self, lease: WindowLease) -> tuple[bool, dict[int, list]]:
         """Wait until the pservers acknowledged every gradient computed (a window counts as
-        done only then); whether the window's batches were each named (exactly once)."""
-        untagged = self._readers.deliver()
-        return window_key(self._stream_id, lease.start) not in untagged
+        done only then); whether the window's batches were each named (exactly once), and
+        what the acknowledgements said of the pservers' checkpoints."""
+        delivered = self._readers.deliver()
+        return window_key(self._stream_id, lease.start) not in delivered.untagged, delivered.acked
 
     def _bind(self) -> WindowSource:
         if self._readers.coordinator is None:
@@ -300,7 +304,9 @@ class LocalWindows:
         window = self.windows.queue.window(got)
         return WindowLease(got.id, window.id, window.start, window.stop, got.attempt, math.inf)
 
-    def finish(self, lease: WindowLease, records: int, loss: float | None, exact: bool) -> None:
+    def finish(
+        self, lease: WindowLease, records: int, loss: float | None, exact: bool, acked: dict[int, list]
+    ) -> None:
         self.windows.queue.finish(lease.lease, "local", records)
         self.windows.commit()
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from fluidps.errors import DatasetError, EOFException, Error, NoDataYet
+from fluidps.executor.ps.applied_batches import Delivered
 from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
 from fluidps.io.dataset import Dataset
 from fluidps.ops.reader import ReaderSpec, StreamReaderSpec
@@ -263,9 +264,9 @@ class Readers:
     meanwhile), unless a client drives this executor step by step (an executor
     server): then it raises NoDataYet and the step is skipped. `deliver`: wait until the
     pservers acknowledged every gradient sent (a stream reader calls it before it
-    reports a window done: its records are applied then); it returns the windows
-    (applied_batches.window_key) whose batches' gradients went without naming them
-    (those are applied at least once, the others exactly once).
+    reports a window done: its records are applied then); it returns what they came to
+    (applied_batches.Delivered: the windows whose batches went unnamed, what the
+    acknowledgements said of the pservers' checkpoints).
     """
 
     def __init__(
@@ -273,7 +274,7 @@ class Readers:
         coordinator: str | None,
         connect: Callable[[str, dict[str, Any]], TaskSource],
         idle_trainer: Callable[[], bool],
-        deliver: Callable[[], frozenset[str]] = frozenset,
+        deliver: Callable[[], Delivered] = Delivered,
     ):
         self.coordinator = coordinator
         self.wait_for_tasks = True

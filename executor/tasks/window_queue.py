@@ -107,6 +107,7 @@ class WindowQueue(LeaseBook):
         self.done: set[int] = set()  # windows done, not yet below the committed offset
         self.applied: dict[int, dict[str, Any]] = {}  # window -> what its trainer reported applied
         self.unsaved: set[int] = set()  # done, not yet held by every pserver's checkpoint
+        self.again: set[int] = set()  # in todo again after a pserver lost them
         self.replayed = 0  # windows handed out again because a pserver lost them
         self.next_start = start  # the first offset in no window
         self.committed = start  # every record before it is applied (or its window discarded)
@@ -220,6 +221,7 @@ class WindowQueue(LeaseBook):
         for window in reversed(lost):
             self.done.discard(window.id)
             self.unsaved.discard(window.id)
+            self.again.add(window.id)
             self.records -= self.applied.pop(window.id, {}).get("records", 0)
             self.todo.appendleft(window.id)
             self.replayed += 1
@@ -227,12 +229,13 @@ class WindowQueue(LeaseBook):
 
     def stop(self) -> None:
         """Drain: cut no more windows, and take back the windows at the end that nobody
-        holds (their records stay in the stream for the next run); the windows in hand,
-        and any the committed offset waits for, are still handed out and finished."""
+        took yet (their records stay in the stream for the next run); the windows in hand,
+        any the committed offset waits for, and any some pserver applied part of (failed,
+        or handed out again) are still handed out and finished."""
         self.stopping = True
         while self.windows:
             last = max(self.windows.values(), key=lambda w: w.start)
-            if last.id not in self.todo:
+            if last.id not in self.todo or last.id in self.failures or last.id in self.again:
                 break
             self.todo.remove(last.id)
             del self.windows[last.id]
@@ -270,6 +273,7 @@ class WindowQueue(LeaseBook):
             self.done.discard(window.id)
             self.applied.pop(window.id, None)
             self.failures.pop(window.id, None)
+            self.again.discard(window.id)
             if window.id in self.discarded:  # (an endless stream: keep a count and the latest few)
                 self.discarded_windows += 1
                 while len(self.discarded) > DISCARDED_KEPT:
@@ -310,6 +314,7 @@ class WindowQueue(LeaseBook):
             "pending": self._lease_snapshot(),
             "done": sorted(self.done),
             "unsaved": sorted(self.unsaved),
+            "again": sorted(self.again),
             "replayed": self.replayed,
             "applied": {str(w): a for w, a in self.applied.items()},
             "failures": {str(w): n for w, n in self.failures.items()},
@@ -343,6 +348,7 @@ class WindowQueue(LeaseBook):
             queue._restore_leases(snapshot["pending"], now)
             queue.done = {int(w) for w in snapshot["done"]}
             queue.unsaved = {int(w) for w in snapshot.get("unsaved", ())} & queue.done
+            queue.again = {int(w) for w in snapshot.get("again", ())} & set(queue.windows)
             queue.replayed = int(snapshot.get("replayed", 0))
             queue.applied = {int(w): dict(a) for w, a in snapshot["applied"].items()}
             queue.failures = {int(w): int(n) for w, n in snapshot["failures"].items()}

@@ -81,7 +81,7 @@ def test_a_stream_coordinator_serves_its_lag_over_http(tmp_path):
         client = RpcClient(context, address, "coordinator", settings, 0, 0xA)
         ask = {"stream": f"log:{log.path}", "group": "trainers", "window_records": 30, "window_seconds": None}
         window = json.loads(client.call(Message(Kind.TASK_GET, text=json.dumps(ask | {"follow": True}))).text)
-        done = {"lease": window["lease"], "samples": 30, "loss": None, "exact": True}
+        done = {"lease": window["lease"], "samples": 30, "loss": None, "exact": True, "checkpoints": {}}
         assert client.call(Message(Kind.TASK_DONE, text=json.dumps(done))).text == "counted"
 
         deadline = time.monotonic() + TIMEOUT

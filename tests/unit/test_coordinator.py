@@ -189,9 +189,21 @@ def appended(tmp_path, n: int) -> StreamLog:
     return log
 
 
-def report(client: RpcClient, window: dict, kind: int = Kind.TASK_DONE, exact: bool = True) -> str:
+def report(
+    client: RpcClient,
+    window: dict,
+    kind: int = Kind.TASK_DONE,
+    exact: bool = True,
+    checkpoints: dict | None = None,
+) -> str:
     body = (
-        {"lease": window["lease"], "samples": window["stop"] - window["start"], "loss": None, "exact": exact}
+        {
+            "lease": window["lease"],
+            "samples": window["stop"] - window["start"],
+            "loss": None,
+            "exact": exact,
+            "checkpoints": checkpoints or {},
+        }
         if kind == Kind.TASK_DONE
         else {"lease": window["lease"], "reason": "its step failed"}
     )
@@ -383,25 +395,28 @@ def test_a_window_is_committed_once_the_pservers_checkpoints_hold_it_and_goes_ag
                 time.sleep(0.05)
 
         first = json.loads(client.call(Message(Kind.TASK_GET, text=window_ask(log.path))).text)
-        assert report(client, first) == "counted"
+        # (what the pserver's acknowledgements of the window's gradients said: checkpoint 1)
+        assert report(client, first, checkpoints={"0": [1, books.incarnation]}) == "counted"
         assert log.committed("trainers") == 0  # done, but no checkpoint holds it yet
         waiting = client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))
         second = json.loads(waiting.text)
         checkpoint(ckpts, 0, [0], books)  # the pserver checkpoints window 0
         committed(30)
-        assert report(client, second) == "counted"
+        assert report(client, second, checkpoints={"0": [2, books.incarnation]}) == "counted"
         last = client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))
         assert (last.kind, last.text) == (Kind.NO_TASK, "wait")  # not drained: window 1 may go again
 
-        checkpoint(ckpts, 0, [0])  # killed, it came back from that checkpoint (new books) without window 1
+        restored = checkpoint(
+            ckpts, 0, [0]
+        )  # killed, it came back from that checkpoint (new books) without window 1
         deadline = time.monotonic() + 30
         while (got := client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))).kind != Kind.TASK:
             assert time.monotonic() < deadline, "window 1 never went out again"
             time.sleep(0.05)
         again = json.loads(got.text)
         assert (again["window"], again["start"]) == (1, 30)
-        assert report(client, again) == "counted"
-        checkpoint(ckpts, 0, [0, 30])
+        assert report(client, again, checkpoints={"0": [3, restored.incarnation]}) == "counted"
+        checkpoint(ckpts, 0, [30], restored)
         committed(60)
         stopped = client.call(Message(Kind.TASK_GET, text=window_ask(log.path)))
         assert (stopped.kind, stopped.text) == (Kind.NO_TASK, "stopped")

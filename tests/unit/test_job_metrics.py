@@ -78,7 +78,9 @@ def window_ask(log: StreamLog) -> str:
 
 def done(window: dict) -> str:
     samples = window["stop"] - window["start"]
-    return json.dumps({"lease": window["lease"], "samples": samples, "loss": None, "exact": True})
+    return json.dumps(
+        {"lease": window["lease"], "samples": samples, "loss": None, "exact": True, "checkpoints": {}}
+    )
 
 
 class Coordinated:

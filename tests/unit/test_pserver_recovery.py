@@ -493,3 +493,37 @@ def test_a_pserver_left_without_trainers_gives_up_after_the_rejoin_timeout_with_
     assert "no evicted trainer (0) came back within 0.5 s (RpcSettings.rejoin_timeout)" in str(error)
     (endpoint,) = job.endpoints
     assert [c["reason"] for c in job.final_stats[endpoint]["checkpoints"]] == ["abandoned"]
+
+
+def test_an_async_pserver_keeps_the_stream_batches_in_its_checkpoints_and_says_which_it_acknowledged(
+    tmp_path,
+):
+    """The books a streaming job's exactly-once rests on (fluidps.executor.ps.applied_batches,
+    fluidps.executor.tasks.checkpoint_watch): each checkpoint holds the batches its values
+    hold, and each acknowledgement says the newest checkpoint and the books' incarnation."""
+    from fluidps.executor.ps.applied_batches import CheckpointBooks, batch_tag, stream_id
+
+    main, startup, loss = adam_mlp()
+    job = Job(main, startup, pservers=1, mode="async", checkpoint_dir=str(tmp_path))
+    exe, trainer = job.trainer()
+    clicks = stream_id("log:clicks", "trainers")
+    tags = iter([batch_tag(clicks, 0, first, 2, 0) for first in (0, 8)])
+    current: list[str | None] = [None]
+    exe.runtime.trainer._batch_tag = lambda: current[0]  # (a stream reader's, as the runtime wires it)
+    try:
+        for b in batches(2):
+            current[0] = next(tags)
+            exe.run(trainer, feed=b, fetch_list=[loss])
+        current[0] = None
+        assert exe.runtime.trainer.deliver_all().acked == {}  # (no checkpoint yet: nothing to say)
+        saved = json.loads(job.observe(Kind.CHECKPOINT, job.endpoints[0]).text)
+        current[0] = batch_tag(clicks, 16, 16, 1, 16)
+        exe.run(trainer, feed=batches(1, seed=1)[0], fetch_list=[loss])
+        delivered = exe.runtime.trainer.deliver_all()
+    finally:
+        exe.close()
+        job.join()
+    (newest,) = [c for c in scan(tmp_path) if c.count == saved["count"]]
+    books = CheckpointBooks.read(newest.applied_batches)
+    assert books.held(clicks) == {0}  # both batches of window 0, for every gradient
+    assert delivered.acked == {0: [saved["count"], books.incarnation]} and not delivered.untagged
