@@ -195,7 +195,9 @@ class CheckpointStore:
         except OSError as e:
             raise CheckpointError(f"cannot create the checkpoint directory {self.directory}: {e}") from None
         mine = [c for c in scan(self.directory) if c.pserver_id == self.pserver_id]
-        count = max((c.count for c in mine), default=0) + 1
+        # (by the files' names, unreadable manifests too: a count is never written twice,
+        # so a reader of the newest manifests can tell checkpoints apart by it)
+        count = newest_manifests(self.directory).get(self.pserver_id, (0, None))[0] + 1
         if base is not None and not any(c.count == base and c.base is None for c in mine):
             raise CheckpointError(
                 f"pserver {self.pserver_id} has no base checkpoint {base} in {self.directory} for a delta"

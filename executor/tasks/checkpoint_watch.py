@@ -31,12 +31,13 @@ Checkpoints are told apart by their count, which a restarted pserver continues.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fluidps.errors import CheckpointError, Error
 from fluidps.executor.ps.applied_batches import CheckpointBooks
-from fluidps.executor.tasks.window_queue import Awaiting
+from fluidps.executor.tasks.window_queue import Awaiting, WindowQueue
 from fluidps.io import checkpoints as ckpt
 
 
@@ -108,3 +109,21 @@ class CheckpointWatch:
             elif not pending:
                 saved.append(start)
         return Verdict(saved, lost)
+
+    def settle(self, queue: WindowQueue, log: Callable[[str], None]) -> bool:
+        """Read the newest manifests, then in `queue`: mark the windows every pserver saved
+        and hand out again those a pserver lost (saying which); whether the books changed."""
+        self.refresh()
+        for problem in self.problems:
+            log(f"checkpoint manifest skipped: {problem}")
+        self.problems.clear()
+        verdict = self.judge(queue.awaiting())
+        lost = queue.reopen(list(verdict.lost))
+        for window in lost:
+            pservers = ", ".join(map(str, verdict.lost[window.start]))
+            log(
+                f"window {window.id} ({window.start}..{window.stop - 1}) goes out again: pserver {pservers} came "
+                "back from a checkpoint without it (the other pservers drop the batches they hold)"
+            )
+        queue.saved(verdict.saved)
+        return bool(lost or verdict.saved)

@@ -189,39 +189,20 @@ class Coordinator:
             self.log("draining: no new windows; the ones in hand are finished first")
             self._save()
 
-    def _checkpoint_watch(self) -> CheckpointWatch:
-        if self._watch is None:
-            assert self.checkpoints is not None and self.windows is not None
-            config = self.windows.queue.config
-            self._watch = CheckpointWatch(
-                self.checkpoints, self.pservers, stream_id(config.source, config.group)
-            )
-        return self._watch
-
     def _watch_checkpoints(self, now: bool = False) -> None:
-        """Every WATCH_S (or `now`): the windows done that the pservers' newer checkpoints
-        hold may be committed; those a restored pserver lost go out again."""
-        windows = self.windows
-        if windows is None or not windows.queue.unsaved or self.checkpoints is None:
+        """Every WATCH_S (or `now`): windows the pservers' checkpoints saved may be
+        committed; those a restored pserver lost go out again (checkpoint_watch.py)."""
+        if self.windows is None or self.checkpoints is None or not self.windows.queue.unsaved:
             return
         if not now and time.monotonic() - self._watched_at < WATCH_S:
             return
         self._watched_at = time.monotonic()
-        watch = self._checkpoint_watch()
-        watch.refresh()
-        for problem in watch.problems:
-            self.log(f"checkpoint manifest skipped: {problem}")
-        watch.problems.clear()
-        verdict = watch.judge(windows.queue.awaiting())
-        lost = windows.queue.reopen(list(verdict.lost))
-        for window in lost:
-            pservers = ", ".join(map(str, verdict.lost[window.start]))
-            self.log(
-                f"window {window.id} ({window.start}..{window.stop - 1}) goes out again: pserver {pservers} came "
-                "back from a checkpoint without it (the other pservers drop the batches they hold)"
+        if self._watch is None:
+            config = self.windows.queue.config
+            self._watch = CheckpointWatch(
+                self.checkpoints, self.pservers, stream_id(config.source, config.group)
             )
-        windows.queue.saved(verdict.saved)
-        if lost or verdict.saved:
+        if self._watch.settle(self.windows.queue, self.log):
             self._save()
 
     @property

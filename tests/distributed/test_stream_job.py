@@ -60,6 +60,15 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
+def assert_each_record_applied_once(out: Path, total: int, batch: int) -> None:
+    """The counter model's weights (trainer 0's) are minus the sum of each batch's mean x:
+    exact in float32, so a batch applied twice, or not at all, shows."""
+    x = records(0, total, counter=True)["x"]
+    want = -sum(x[i : i + batch].mean(axis=0, dtype=np.float64) for i in range(0, total, batch))
+    got = np.array(json.loads((out / "trainer.0.json").read_text())["w"]).reshape(-1)
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+
+
 def wait_for(proc: subprocess.Popen, log_path: Path, condition, what: str) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not condition():
@@ -148,11 +157,7 @@ def test_a_trainer_killed_mid_window_loses_nothing_and_applies_nothing_twice(tmp
         r"window \d+ \(trainer 1\) failed: trainer 1 restarted while it held the window", text
     ), text[-4000:]
     assert log.committed("trainers") == total
-    # Each batch's gradient is its mean x: w ends at minus their sum, exact in float32.
-    x = records(0, total, counter=True)["x"]
-    want = -sum(x[i : i + batch].mean(axis=0, dtype=np.float64) for i in range(0, total, batch))
-    got = np.array(json.loads((out / "trainer.0.json").read_text())["w"]).reshape(-1)
-    np.testing.assert_array_equal(got, want.astype(np.float32))
+    assert_each_record_applied_once(out, total, batch)
     assert "were applied before (the window went to another trainer)" in text, text[-4000:]
 
 
@@ -199,8 +204,4 @@ def test_a_pserver_killed_mid_job_comes_back_and_every_record_is_applied_once(tm
         r"window \d+ \(\d+\.\.\d+\) goes out again: pserver 0 came back from a checkpoint", text
     ), text[-4000:]
     assert log.committed("trainers") == total
-    # Each batch's gradient is its mean x: w ends at minus their sum, exact in float32.
-    x = records(0, total, counter=True)["x"]
-    want = -sum(x[i : i + batch].mean(axis=0, dtype=np.float64) for i in range(0, total, batch))
-    got = np.array(json.loads((out / "trainer.0.json").read_text())["w"]).reshape(-1)
-    np.testing.assert_array_equal(got, want.astype(np.float32))
+    assert_each_record_applied_once(out, total, batch)

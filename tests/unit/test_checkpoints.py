@@ -535,3 +535,10 @@ def test_cli_merge(tmp_path: Path):
     empty = _cli("merge", str(tmp_path / "none"), "-o", str(tmp_path / "x"))
     assert empty.returncode == 2
     assert len(empty.stderr.strip().splitlines()) == 1 and "no intact" in empty.stderr
+
+
+def test_a_count_is_never_written_twice_even_past_an_unreadable_manifest(tmp_path):
+    store = CheckpointStore(tmp_path, 0)
+    store.save({"w": np.zeros(2, np.float32)}, {}, 1, "test")
+    (tmp_path / "pserver-0-000002.json").write_text("{not json")  # a damaged newest manifest
+    assert store.save({"w": np.ones(2, np.float32)}, {}, 2, "test").count == 3

@@ -155,14 +155,22 @@ def test_a_window_closes_on_time_when_records_come_slowly(tmp_path):
     assert seen.tolist() == [0, 1, 2, 3, 4] and log.committed("trainers") == 5
 
 
-def test_records_that_fail_their_check_are_skipped_and_reported(tmp_path, capfd):
+def damaged_log(tmp_path, bad: list[int]) -> tuple[StreamLog, int]:
+    """A log of records 0..9 with a bit flipped in the fields of each of `bad`; the log and
+    a record's size."""
     log = StreamLog(tmp_path / "log")
     log.append(records(0, 10))
     segment = log.segments()[0][1]
     size = (segment.stat().st_size - HEADER.size) // 10
     data = bytearray(segment.read_bytes())
-    data[HEADER.size + 3 * size + 20] ^= 0xFF  # a bit flipped in record 3's fields
+    for offset in bad:
+        data[HEADER.size + offset * size + 20] ^= 0xFF
     segment.write_bytes(bytes(data))
+    return log, size
+
+
+def test_records_that_fail_their_check_are_skipped_and_reported(tmp_path, capfd):
+    log, _ = damaged_log(tmp_path, [3])
     main, startup, idx, loss = model(f"log:{tmp_path / 'log'}", 4, window_records=10, follow=False)
     scope = fluidps.Scope()
     exe = fluidps.Executor()
@@ -217,14 +225,7 @@ def test_records_that_fail_their_check_go_to_the_dead_letter_file(tmp_path, monk
     import base64
     import json
 
-    log = StreamLog(tmp_path / "log")
-    log.append(records(0, 10))
-    segment = log.segments()[0][1]
-    size = (segment.stat().st_size - HEADER.size) // 10
-    data = bytearray(segment.read_bytes())
-    for bad in (3, 7):
-        data[HEADER.size + bad * size + 20] ^= 0xFF
-    segment.write_bytes(bytes(data))
+    _, size = damaged_log(tmp_path, [3, 7])
     letters = tmp_path / "letters" / "bad.jsonl"
     monkeypatch.setenv("FLUIDPS_DEAD_LETTERS", str(tmp_path / "elsewhere.jsonl"))  # (the reader's own wins)
     main, startup, idx, loss = model(
