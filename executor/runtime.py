@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from fluidps.errors import ExecutionError, TransportError
 from fluidps.executor.block_runner import BlockRunner
-from fluidps.executor.ps.applied_batches import Delivered
 from fluidps.executor.ps.checkpointer import CheckpointOverrides
 from fluidps.executor.transport.settings import RpcSettings
 from fluidps.ir.program import Block
@@ -37,6 +36,7 @@ if TYPE_CHECKING:
 
     from fluidps.executor.compiler import Compiler
     from fluidps.executor.job_metrics import JobMetrics
+    from fluidps.executor.ps.applied_batches import Delivered
     from fluidps.executor.ps.host import PserverHost
     from fluidps.executor.ps.trainer_client import TrainerClient
     from fluidps.executor.tasks.stream_reader import WindowSource
@@ -207,7 +207,11 @@ class Runtime:
     def _deliver_sends(self) -> Delivered:
         """Wait until the pservers acknowledged every gradient this trainer computed
         (TrainerClient.deliver_all)."""
-        return self._trainer.deliver_all() if self._trainer is not None else Delivered()
+        if self._trainer is not None:
+            return self._trainer.deliver_all()
+        from fluidps.executor.ps.applied_batches import Delivered  # (local training loads no ps room)
+
+        return Delivered()
 
     def _coordinator_source(self, address: str, request: dict[str, Any]) -> TaskSource | WindowSource:
         """A reader's tasks from the coordinator: a dataset's, or a stream's windows."""

@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from fluidps.errors import DatasetError, EOFException, Error, NoDataYet
-from fluidps.executor.ps.applied_batches import Delivered
 from fluidps.executor.tasks.task_queue import Lease, QueueConfig, TaskQueue
 from fluidps.io.dataset import Dataset
 from fluidps.ops.reader import ReaderSpec, StreamReaderSpec
 
 if TYPE_CHECKING:
+    from fluidps.executor.ps.applied_batches import Delivered
     from fluidps.executor.tasks.stream_reader import StreamReader, WindowSource
 
 WAIT_POLL_S = 0.2
@@ -254,6 +254,13 @@ def _lease(got: Lease, queue: TaskQueue) -> TaskLease:
     return TaskLease(got.id, task.id, task.shard, task.start, task.stop, queue.pass_index, queue.timeout)
 
 
+def _nothing_to_deliver() -> Delivered:
+    """What a process with no pservers delivers: nothing (a stream reader's windows are its own)."""
+    from fluidps.executor.ps.applied_batches import Delivered  # (local training loads no ps room)
+
+    return Delivered()
+
+
 class Readers:
     """A process's dataset readers, by READER variable (fluidps.ops.runtime_api.ReaderHost).
 
@@ -274,12 +281,12 @@ class Readers:
         coordinator: str | None,
         connect: Callable[[str, dict[str, Any]], TaskSource],
         idle_trainer: Callable[[], bool],
-        deliver: Callable[[], Delivered] = Delivered,
+        deliver: Callable[[], Delivered] | None = None,
     ):
         self.coordinator = coordinator
         self.wait_for_tasks = True
         self.idle_trainer = idle_trainer
-        self.deliver = deliver
+        self.deliver = deliver or _nothing_to_deliver
         self._connect = connect
         self._open: dict[str, TaskReader | StreamReader] = {}
 
