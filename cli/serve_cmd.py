@@ -211,7 +211,7 @@ def serve(
             server = ExecutorServer(endpoint, config, name, compile_)
         if config.metrics is not None:
             if isinstance(server, Coordinator):
-                from fluidps.executor.job_metrics import CoordinatorMetrics
+                from fluidps.executor.metrics.job_metrics import CoordinatorMetrics
 
                 config.metrics.watch("coordinator", CoordinatorMetrics(server))
             config.metrics.start()
@@ -247,7 +247,7 @@ def _with_metrics(config: RuntimeConfig, port: int | None, host: str | None) -> 
     host = host or (env.host if env is not None else DEFAULT_METRICS_HOST)
     if not port:
         return replace(config, metrics=None)
-    from fluidps.executor.job_metrics import JobMetrics  # (prometheus_client: only when asked for)
+    from fluidps.executor.metrics.job_metrics import JobMetrics  # (prometheus_client: only when asked for)
 
     return replace(config, metrics=JobMetrics(port, host))
 

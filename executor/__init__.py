@@ -3,8 +3,7 @@
 The top level is local execution, and imports no ZeroMQ: the Executor (executor.py),
 Scope (scope.py), the block runner (block_runner.py), and the Runtime (runtime.py)
 an Executor makes only for programs that take part in a job, whose pieces load the
-rooms they need when first used; and job_metrics.py, the Prometheus metrics a job's
-processes serve (the metrics extra). Every other responsibility has a room of its own;
+rooms they need when first used. Every other responsibility has a room of its own;
 each room's docstring says what it owns and what it may import, and
 tests/unit/test_layering.py holds the code to it:
 
@@ -17,10 +16,11 @@ tests/unit/test_layering.py holds the code to it:
 - launch/     processes on one machine: the launcher, the processes a job starts,
               the environment contract, progress
 - pipeline/   pipeline programs' stages on a schedule (model parallelism)
+- metrics/    a job process's Prometheus metrics (the metrics extra)
 
 May import: fluidps.errors, fluidps.endpoints, fluidps.ir, fluidps.ops, fluidps.transpiler.config,
 fluidps.transpiler.pipeline, fluidps.transpiler.cost_model, fluidps.executor.compiler, fluidps.executor.pipeline, fluidps.executor.transport, fluidps.executor.ps, fluidps.executor.tasks,
-fluidps.profiling
+fluidps.executor.metrics, fluidps.profiling
 """
 
 from fluidps.executor.executor import Executor, PreparedProgram

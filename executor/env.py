@@ -58,7 +58,7 @@ given no RuntimeConfig reads them when a program first needs its runtime):
                                 serve this process's Prometheus metrics at http://HOST:PORT/metrics
                                 (port 0 or unset: not served; host 127.0.0.1 unless given; the
                                 metrics extra; `fluidps launch --metrics-port` gives each process a
-                                port of its own; fluidps.executor.job_metrics)
+                                port of its own; fluidps.executor.metrics.job_metrics)
 
 Only this module, the CLI and the launcher read the environment; the objects they
 configure are given their configuration.
@@ -83,7 +83,7 @@ from fluidps.executor.transport.settings import RpcSettings
 from fluidps.transpiler.config import MODES
 
 if TYPE_CHECKING:
-    from fluidps.executor.job_metrics import JobMetrics
+    from fluidps.executor.metrics.job_metrics import JobMetrics
     from fluidps.executor.transport.proof import JobSecret
 
 ROLES = ("PSERVER", "TRAINER")
@@ -314,7 +314,7 @@ def metrics_from_env(environ: Mapping[str, str] | None = None) -> JobMetrics | N
     port = _int(env, METRICS_PORT_ENV, "a TCP port for the metrics, 1 to 65535 (0: none)", 0, 65535)
     if port == 0:
         return None
-    from fluidps.executor.job_metrics import JobMetrics  # (prometheus_client: only when asked for)
+    from fluidps.executor.metrics.job_metrics import JobMetrics  # (prometheus_client: only when asked for)
 
     return JobMetrics(port, env.get(METRICS_HOST_ENV, "").strip() or DEFAULT_METRICS_HOST)
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import zmq
 
     from fluidps.executor.compiler import Compiler
-    from fluidps.executor.job_metrics import JobMetrics
+    from fluidps.executor.metrics.job_metrics import JobMetrics
     from fluidps.executor.ps.applied_batches import Delivered
     from fluidps.executor.ps.host import PserverHost
     from fluidps.executor.ps.trainer_client import TrainerClient
@@ -61,7 +61,7 @@ class RuntimeConfig:
     fluidps.executor.ps.membership).
     `metrics`: where this process serves its Prometheus metrics (None: nowhere); the
     runtime starts it and adds its pservers' and its trainer's metrics
-    (fluidps.executor.job_metrics).
+    (fluidps.executor.metrics.job_metrics).
     `fluidps.executor.env.runtime_config_from_env` reads one from the
     environment contract.
     """
@@ -115,7 +115,7 @@ class Runtime:
                 batch_tag=lambda: self._readers.batch_tag() if self._readers is not None else None,
             )
             if self.config.metrics is not None:
-                from fluidps.executor.job_metrics import TrainerMetrics
+                from fluidps.executor.metrics.job_metrics import TrainerMetrics
 
                 self.config.metrics.watch("trainer", TrainerMetrics(self._trainer))
         return self._trainer
@@ -129,7 +129,7 @@ class Runtime:
                 self.settings, self.config.checkpoints, self.context_for, self._runner_for, self.profile
             )
             if self.config.metrics is not None:
-                from fluidps.executor.job_metrics import PserverMetrics
+                from fluidps.executor.metrics.job_metrics import PserverMetrics
 
                 self._pserver.ticks.append(self.config.metrics.watch("pservers", PserverMetrics()).tick)
         return self._pserver

@@ -37,7 +37,7 @@ class PserverThreads:
         metrics=None,
     ):
         """`compile`: the pservers' Executors' (None: as FLUIDPS_COMPILE says); `metrics`: a
-        JobMetrics every participant reports to (fluidps.executor.job_metrics)."""
+        JobMetrics every participant reports to (fluidps.executor.metrics.job_metrics)."""
         self.transpiler, self.endpoints, self.wait = transpiler, list(endpoints), wait
         self.errors: list[BaseException] = []
         self.context = zmq.Context()

@@ -41,14 +41,18 @@ from fluidps.errors import BuilderError
 from fluidps.executor.env import (
     CONTRACT_VARS,
     INCARNATION_ENV,
-    METRICS_HOST_ENV,
-    METRICS_PORT_ENV,
     REPLACES_ENV,
     SECRET_ENV,
     TRAINER_INCARNATIONS_ENV,
     new_incarnation,
 )
-from fluidps.executor.launch.processes import reap_group, stop_groups, thread_limits
+from fluidps.executor.launch.processes import (
+    metrics_environment,
+    metrics_ports,
+    reap_group,
+    stop_groups,
+    thread_limits,
+)
 from fluidps.executor.transport.proof import JobSecret
 from fluidps.transpiler.config import MODES
 
@@ -501,22 +505,14 @@ class Launcher:
 
     def _assign_metrics_ports(self, names: Sequence[str]) -> None:
         """Process k of `names` serves its metrics on metrics_port + k; said in the log."""
-        if not self.metrics_port:
-            return
-        if self.metrics_port + len(names) - 1 > 65535:
-            raise BuilderError(
-                f"metrics ports {self.metrics_port}.. run past 65535 for {len(names)} processes"
-            )
-        self.metrics_ports = {name: self.metrics_port + k for k, name in enumerate(names)}
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        where = ", ".join(f"{name} on {port}" for name, port in self.metrics_ports.items())
-        self._say(f"metrics at http://{host}:PORT/metrics: {where}")
+        self.metrics_ports = metrics_ports(self.metrics_port, names)
+        if self.metrics_ports:
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            where = ", ".join(f"{name} on {port}" for name, port in self.metrics_ports.items())
+            self._say(f"metrics at http://{host}:PORT/metrics: {where}")
 
     def _metrics_environment(self, name: str) -> dict[str, str]:
-        """FLUIDPS_METRICS_PORT and _HOST for process `name` (none without metrics)."""
-        if name not in self.metrics_ports:
-            return {}
-        return {METRICS_PORT_ENV: str(self.metrics_ports[name]), METRICS_HOST_ENV: self.host}
+        return metrics_environment(self.metrics_ports.get(name), self.host)
 
     def _finish(self) -> None:
         """Release what the job held, once every process is stopped."""
@@ -579,7 +575,7 @@ def launch(
     """Run `script` as a job of `pservers` pservers and `trainers` trainers; its exit status.
     `bind_cores`: each process bound to one core of this one's (core_of). `metrics_port`:
     process k (the pservers, then the trainers) serves its Prometheus metrics on
-    metrics_port + k (fluidps.executor.job_metrics; 0: none).
+    metrics_port + k (fluidps.executor.metrics.job_metrics; 0: none).
     (A job reading a dataset through a coordinator: DatasetLauncher.)
 
     Raises BuilderError for bad arguments, a port that is taken, or a process that

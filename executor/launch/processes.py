@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fluidps.endpoints import format_endpoint
-from fluidps.errors import TransportError
-from fluidps.executor.env import METRICS_PORT_ENV, SECRET_ENV, SECRET_FILE_ENV
+from fluidps.errors import BuilderError, TransportError
+from fluidps.executor.env import METRICS_HOST_ENV, METRICS_PORT_ENV, SECRET_ENV, SECRET_FILE_ENV
 from fluidps.executor.transport.proof import JobSecret
 from fluidps.io.stream import canonical_spec
 
@@ -220,6 +220,20 @@ def coordinator_flags(snapshot: Path, stream: str | None = None) -> list[str]:
     if stream is not None:
         flags += ["--stream", canonical_spec(stream)]
     return flags
+
+
+def metrics_ports(base: int, names: Sequence[str]) -> dict[str, int]:
+    """Process k of `names` serves its metrics on port base + k ({} for base 0: no metrics)."""
+    if not base:
+        return {}
+    if base + len(names) - 1 > 65535:
+        raise BuilderError(f"metrics ports {base}.. run past 65535 for {len(names)} processes")
+    return {name: base + k for k, name in enumerate(names)}
+
+
+def metrics_environment(port: int | None, host: str) -> dict[str, str]:
+    """FLUIDPS_METRICS_PORT and _HOST of a process serving its metrics on `port` (None: {})."""
+    return {} if port is None else {METRICS_PORT_ENV: str(port), METRICS_HOST_ENV: host}
 
 
 def thread_limits(threads: int | None) -> dict[str, str]:

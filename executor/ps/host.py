@@ -64,7 +64,7 @@ class PserverHost:
         self.runner_for = runner_for  # a pserver's sub-blocks, built with this process's runtime
         self.queues: dict[str, GradientQueue] = {}
         self.loops: list[ParameterServer] = []  # every loop this process ran, ended ones too
-        # Called by each loop with itself between requests, on its thread (job_metrics.py).
+        # Called by each loop with itself between requests, on its thread (fluidps.executor.metrics).
         self.ticks: list[Callable[[ParameterServer], None]] = []
 
     def queue(self, name: str) -> GradientQueue:

@@ -179,7 +179,9 @@ class ParameterServer:
                     self._report_stall()
                     self._maybe_checkpoint()
                     self._finish_held()
-                    for tick in self.host.ticks:  # (what watches the loop: job_metrics.py publishes)
+                    for (
+                        tick
+                    ) in self.host.ticks:  # (what watches the loop: fluidps.executor.metrics publishes)
                         tick(self)
                     failure = self.strategy.failure
                     if failure is not None:

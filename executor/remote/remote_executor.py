@@ -59,17 +59,21 @@ from fluidps.executor.remote.cluster import Cluster
 from fluidps.executor.remote.executor_server import REFRESH
 from fluidps.executor.remote.job import JobDesc
 from fluidps.executor.remote.pipeline_job import PipelineJob
-from fluidps.executor.remote.program_reads import ProgramReads, program_reads
+from fluidps.executor.remote.programs import (
+    ProgramReads,
+    persistables,
+    program_reads,
+    trains,
+    without_readers,
+)
 from fluidps.executor.remote.remote_scope import RemoteScope
 from fluidps.executor.scope import Scope
 from fluidps.executor.transport.rpc import RpcClient, RpcSettings, wait_all
 from fluidps.executor.transport.wire import Kind, Message, json_fields
 from fluidps.ir.program import Program
-from fluidps.ir.types import OpRole
 from fluidps.ops.selected_rows import SelectedRows
 from fluidps.ops.sparse_table import SparseTable
 from fluidps.profiling import Profile
-from fluidps.transpiler.analysis import role, role_params
 from fluidps.transpiler.distribute import DistributeTranspiler
 from fluidps.transpiler.plan import DistributedPlan
 
@@ -144,7 +148,7 @@ class RemoteExecutor:
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
         if program.pipeline is not None:  # (PipelineOptimizer's): one process per stage
             return self._pipeline_job(program).step(feed, fetch_names)
-        if _trains(program):
+        if trains(program):
             return self._train(program, feed, fetch_names)
         return self._run_here(program, feed, fetch_names, return_numpy)
 
@@ -171,7 +175,7 @@ class RemoteExecutor:
         self, program: Program, feed: dict[str, Any], fetch_names: list[str], return_numpy: bool
     ) -> list[Any]:
         """A program without optimizer ops runs in the client, against the job's values."""
-        reads, writes = _persistables(program)
+        reads, writes = persistables(program)
         if self._deployment is None and self._pipeline is None:
             if writes and not reads and not feed:
                 self._startup = program  # what the pservers will initialize their slices with
@@ -204,7 +208,7 @@ class RemoteExecutor:
         (batches gathered for a message not sent yet are not run); a failed step fails
         the job, as in run()."""
         fetch_names = [_fetch_name(t) for t in (fetch_list or [])]
-        if not _trains(program):
+        if not trains(program):
             raise ExecutionError(
                 "run_batches trains: give it a program with optimizer ops (run() runs others)"
             )
@@ -447,7 +451,7 @@ class RemoteExecutor:
                 self._cluster.call_all({s.client: _load("trainer", p.trainer_program)})
                 # What a trainer runs to pull the parameters anew: after exe.scope changed them on the
                 # pservers, or after skipping a step (no batch of a dataset's tasks).
-                self._cluster.call_all({s.client: _load(REFRESH, _without_readers(p.trainer_startup))})
+                self._cluster.call_all({s.client: _load(REFRESH, without_readers(p.trainer_startup))})
             self._cluster.call_all({t.client: Message(Kind.RUN, text="startup") for t in trainers})
             own = {n: v for n in trainer_vars - placed if _is_value(v := staged.find(n))}  # not readers
             if own:
@@ -588,35 +592,6 @@ def _load(name: str, program: Program) -> Message:
     return Message(Kind.LOAD, text=name, blobs=[program.serialize_to_string()])
 
 
-def _without_readers(startup: Program) -> Program:
-    """A trainer's startup program that only pulls the parameters (no reader made anew)."""
-    out = startup.clone()
-    block = out.global_block()
-    block.ops = [op for op in block.ops if op.type not in ("create_dataset_reader", "create_stream_reader")]
-    return out
-
-
 def _is_value(value: Any) -> bool:
     """A tensor that can travel (a reader object, say, cannot)."""
     return isinstance(value, (np.ndarray, SelectedRows))
-
-
-def _trains(program: Program) -> bool:
-    """Whether a program updates parameters (has optimizer ops naming their parameter)."""
-    return any(role(op) & OpRole.Optimize and role_params(op) for op in program.global_block().ops)
-
-
-def _persistables(program: Program) -> tuple[set[str], set[str]]:
-    """Persistable variables a program reads before writing them, and those it writes."""
-    reads, writes = set(), set()
-    for block in program.blocks:
-        for op in block.ops:
-            for name in op.input_arg_names:
-                var = block.find_var(name)
-                if var is not None and var.persistable and name not in writes:
-                    reads.add(name)
-            for name in op.output_arg_names:
-                var = block.find_var(name)
-                if var is not None and var.persistable:
-                    writes.add(name)
-    return reads - {"feed", "fetch"}, writes - {"feed", "fetch"}

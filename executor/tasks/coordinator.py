@@ -121,7 +121,9 @@ class Coordinator:
         # Per trainer process, its silences: the least recently heard first.
         self._clocks: OrderedDict[str, SilenceClock] = OrderedDict()
         self.lease_times = LeaseTimes()  # how long windows take, and the leases that failed
-        self.ticks: list[Callable[[], None]] = []  # called by the loop between requests (job_metrics.py)
+        self.ticks: list[
+            Callable[[], None]
+        ] = []  # called by the loop between requests (fluidps.executor.metrics)
         if self.snapshot is not None and self.snapshot.exists():
             self._resume()
         self.server = RpcServer(self._context, endpoint, name, self.settings)

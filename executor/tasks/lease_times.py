@@ -2,7 +2,7 @@
 trainer's report that it is done, as a histogram, and how many leases failed.
 
 The coordinator's loop calls it (a lease given, finished, failed); the metrics of the
-process (fluidps.executor.job_metrics) read its `snapshot`, taken on that loop. A lease
+process (fluidps.executor.metrics.job_metrics) read its `snapshot`, taken on that loop. A lease
 given before a restart (resumed from the snapshot) has no start here: when it finishes,
 it is not timed. Pure state, no clock: callers pass `now` (seconds, monotonic).
 """

@@ -1,4 +1,4 @@
-"""A job process's Prometheus metrics (fluidps.executor.job_metrics): a coordinator's and a
+"""A job process's Prometheus metrics (fluidps.executor.metrics.job_metrics): a coordinator's and a
 pserver's, taken from the real loops as they work, with the names and labels the
 streaming guide lists; the environment and the launcher giving each process its port;
 a clear error without prometheus_client."""
@@ -23,8 +23,8 @@ import fluidps
 from fluidps import layers, optimizer
 from fluidps.errors import BuilderError
 from fluidps.executor.env import CONTRACT_VARS, METRICS_HOST_ENV, METRICS_PORT_ENV, metrics_from_env
-from fluidps.executor.job_metrics import METRICS, CoordinatorMetrics, JobMetrics
 from fluidps.executor.launch.launcher import Launcher
+from fluidps.executor.metrics.job_metrics import METRICS, CoordinatorMetrics, JobMetrics
 from fluidps.executor.tasks.coordinator import Coordinator
 from fluidps.executor.tasks.lease_times import BUCKETS, LeaseTimes
 from fluidps.executor.transport.rpc import RpcClient

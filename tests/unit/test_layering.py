@@ -145,7 +145,7 @@ def test_every_import_keeps_to_the_declared_layering():
     assert not problems, "\n".join(problems)
 
 
-ROOMS = ("compiler", "launch", "measure", "pipeline", "ps", "remote", "tasks", "transport")
+ROOMS = ("compiler", "launch", "measure", "metrics", "pipeline", "ps", "remote", "tasks", "transport")
 
 
 def test_every_room_of_the_executor_declares_its_imports():

@@ -9,7 +9,7 @@ import pytest
 
 import fluidps
 from fluidps import layers, optimizer
-from fluidps.executor.remote.program_reads import ProgramReads, program_reads
+from fluidps.executor.remote.programs import ProgramReads, program_reads
 from fluidps.io import StreamLog
 
 

@@ -1,6 +1,7 @@
-"""What a RemoteExecutor's training program reads by itself: a dataset's tasks or a stream's
-windows (its layers.dataset_reader / layers.stream_reader), through the job's coordinator,
-held to what the JobDesc says the job reads (JobDesc.stream)."""
+"""What a RemoteExecutor knows of the programs it deploys: what a training program reads
+by itself (a dataset's tasks or a stream's windows, through the job's coordinator, held to
+what JobDesc.stream says), whether it trains, which persistables it reads and writes, and
+a trainer's startup without its readers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from fluidps.errors import BuilderError
 from fluidps.ir.program import Program
+from fluidps.ir.types import OpRole
+from fluidps.transpiler.analysis import role, role_params
 
 if TYPE_CHECKING:
     from fluidps.executor.remote.job import JobDesc
@@ -61,3 +64,32 @@ def program_reads(job: JobDesc, main: Program, startup: Program) -> ProgramReads
         return ProgramReads()
     follow = any(op.attr("follow") for op in made if op.type == "create_stream_reader")
     return ProgramReads(stream=streams[0], follow=follow)
+
+
+def without_readers(startup: Program) -> Program:
+    """A trainer's startup program that only pulls the parameters (no reader made anew)."""
+    out = startup.clone()
+    block = out.global_block()
+    block.ops = [op for op in block.ops if op.type not in _READERS]
+    return out
+
+
+def trains(program: Program) -> bool:
+    """Whether a program updates parameters (has optimizer ops naming their parameter)."""
+    return any(role(op) & OpRole.Optimize and role_params(op) for op in program.global_block().ops)
+
+
+def persistables(program: Program) -> tuple[set[str], set[str]]:
+    """Persistable variables a program reads before writing them, and those it writes."""
+    reads, writes = set(), set()
+    for block in program.blocks:
+        for op in block.ops:
+            for name in op.input_arg_names:
+                var = block.find_var(name)
+                if var is not None and var.persistable and name not in writes:
+                    reads.add(name)
+            for name in op.output_arg_names:
+                var = block.find_var(name)
+                if var is not None and var.persistable:
+                    writes.add(name)
+    return reads - {"feed", "fetch"}, writes - {"feed", "fetch"}
